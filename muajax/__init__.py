@@ -1,0 +1,1 @@
+"""muajax: MUA-RL in JAX."""

@@ -1,0 +1,355 @@
+"""Qwen3 dense decoder in Flax Linen, computing what HF's `Qwen3ForCausalLM` computes.
+
+Per layer: RMSNorm -> grouped-query attention (per-head RMSNorm on q and k, then RoPE)
+-> residual -> RMSNorm -> SwiGLU MLP -> residual. The layer stack runs under `nn.scan`
+(one compiled layer body whatever the depth) with an optional remat policy.
+
+Cast order follows HF exactly: RMSNorm normalises in float32 and casts back before the
+weight multiply; RoPE tables are built in float32 then cast to the compute dtype.
+Attention scores, softmax and logits-to-logprob math run in float32.
+
+Every weight and activation carries logical axis names (`embed`, `q_heads`, `mlp`, ...);
+`muajax.parallel` maps them onto mesh axes.
+
+The KV cache (`KVCache`) is explicit and functional: `forward` takes a cache and returns
+the updated one. Each row has its own length; a chunk of new tokens is written at each
+row's own offset, so one call serves ragged extend (a user/tool turn appended to every
+conversation) and single-token decode alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: str = "none"
+
+    def __post_init__(self):
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"Qwen3Config.{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"Qwen3Config.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"Qwen3Config: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    def replace(self, **changes) -> "Qwen3Config":
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.num_layers * per_layer + self.vocab_size * d + d + head
+
+
+class KVCache(NamedTuple):
+    """k, v: [layers, batch, max_len, kv_heads, head_dim]; lengths: [batch] valid tokens per row."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+CACHE_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim")
+
+
+def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    dtype = cfg.compute_dtype if dtype is None else dtype
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, head_dim], built in float32 like HF, then cast."""
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv_freq = 1.0 / (jnp.float32(theta) ** exponents)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, heads, head_dim]; HF's rotate_half convention (halves, not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class AttentionContext(NamedTuple):
+    """What every layer needs besides its weights, shared (broadcast) across the scan.
+
+    q_index [B, T]: each query's index in the key sequence (its cache slot, or t).
+    kv_valid [B, S]: which key slots hold real tokens after this chunk is written.
+    write_index [B, T]: where each new token's k/v goes in the cache (out of range = dropped).
+    cos, sin [B, T, head_dim]: rotary tables at the queries' absolute positions.
+    """
+
+    q_index: jax.Array
+    kv_valid: jax.Array
+    write_index: jax.Array | None
+    cos: jax.Array
+    sin: jax.Array
+
+
+def _param(module: nn.Module, name: str, shape, axes, init):
+    cfg = module.cfg
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, cfg.weight_dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: Qwen3Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer_cache: tuple[jax.Array, jax.Array] | None, ctx: AttentionContext):
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        d, n, k, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        dense = nn.initializers.normal(0.02)
+        ones = nn.initializers.ones
+
+        attn_norm = _param(self, "attn_norm", (d,), ("norm",), ones)
+        wq = _param(self, "wq", (d, n, h), ("embed", "q_heads", "head_dim"), dense)
+        wk = _param(self, "wk", (d, k, h), ("embed", "kv_heads", "head_dim"), dense)
+        wv = _param(self, "wv", (d, k, h), ("embed", "kv_heads", "head_dim"), dense)
+        wo = _param(self, "wo", (n, h, d), ("q_heads", "head_dim", "embed"), dense)
+        q_norm = _param(self, "q_norm", (h,), ("head_dim",), ones)
+        k_norm = _param(self, "k_norm", (h,), ("head_dim",), ones)
+        mlp_norm = _param(self, "mlp_norm", (d,), ("norm",), ones)
+        w_gate = _param(self, "w_gate", (d, f), ("embed", "mlp"), dense)
+        w_up = _param(self, "w_up", (d, f), ("embed", "mlp"), dense)
+        w_down = _param(self, "w_down", (f, d), ("mlp", "embed"), dense)
+
+        y = rms_norm(x, attn_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("BTD,DNH->BTNH", y, wq.astype(dt))
+        kk = jnp.einsum("BTD,DKH->BTKH", y, wk.astype(dt))
+        vv = jnp.einsum("BTD,DKH->BTKH", y, wv.astype(dt))
+        q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "head_dim"))
+        q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
+        kk = apply_rope(rms_norm(kk, k_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
+
+        if layer_cache is None:
+            keys, values, new_cache = kk, vv, None
+        else:
+            keys, values = _write_cache(layer_cache, kk, vv, ctx.write_index)
+            new_cache = (keys, values)
+            keys, values = keys.astype(dt), values.astype(dt)
+
+        attn = _attention(q, keys, values, ctx, cfg)
+        x = x + jnp.einsum("BTNH,NHD->BTD", attn, wo.astype(dt))
+        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+
+        y = rms_norm(x, mlp_norm, cfg.rms_norm_eps)
+        gate = jnp.einsum("BTD,DF->BTF", y, w_gate.astype(dt))
+        up = jnp.einsum("BTD,DF->BTF", y, w_up.astype(dt))
+        hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+        x = x + jnp.einsum("BTF,FD->BTD", hidden, w_down.astype(dt))
+        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+        return x, new_cache
+
+
+def _write_cache(layer_cache, k_new, v_new, write_index):
+    """Scatter the chunk's k/v into each row at that row's own offsets; padding is dropped."""
+    k_cache, v_cache = layer_cache
+    rows = jnp.arange(k_new.shape[0])[:, None]
+    k_cache = k_cache.at[rows, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
+def _attention(q, keys, values, ctx: AttentionContext, cfg: Qwen3Config) -> jax.Array:
+    b, t, n, h = q.shape
+    kv = cfg.num_kv_heads
+    q = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    key_index = jnp.arange(keys.shape[1])
+    allowed = (key_index[None, None, :] <= ctx.q_index[:, :, None]) & ctx.kv_valid[:, None, :]
+    scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values)
+    return out.reshape(b, t, n, h)
+
+
+def _remat_policy(name: str):
+    return {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }[name]
+
+
+class Qwen3(nn.Module):
+    """`__call__(tokens, ctx, cache_kv, logits_index)` -> (logits or hidden, new cache k/v).
+
+    Prefer the functional `forward` below, which builds the attention context.
+    """
+
+    cfg: Qwen3Config
+
+    @nn.compact
+    def __call__(self, tokens, ctx: AttentionContext, cache_kv, logits_index=None, return_hidden=False):
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("embed_vocab", "embed"), nn.initializers.normal(0.02))
+        x = jnp.take(embed, tokens, axis=0).astype(dt)
+        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+
+        layer_cls = DecoderLayer
+        if cfg.remat != "none":
+            layer_cls = nn.remat(DecoderLayer, policy=_remat_policy(cfg.remat), prevent_cse=False)
+        stack = nn.scan(
+            layer_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, name="layers")
+        x, new_cache = stack(x, cache_kv, ctx)
+
+        final_norm = _param(self, "final_norm", (cfg.hidden_size,), ("norm",), nn.initializers.ones)
+        x = rms_norm(x, final_norm, cfg.rms_norm_eps)
+        if logits_index is not None:  # only the rows' chosen positions need a [V]-wide head
+            x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+        if return_hidden:
+            return x, new_cache
+        if cfg.tie_word_embeddings:
+            head = embed.T
+        else:
+            head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                          nn.initializers.normal(0.02))
+        logits = jnp.einsum("BTD,DV->BTV", x, head.astype(dt))
+        logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+        return logits, new_cache
+
+
+def _no_cache_context(cfg, positions, attention_mask) -> AttentionContext:
+    b, t = positions.shape
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.compute_dtype)
+    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kv_valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
+    return AttentionContext(q_index, kv_valid, None, cos, sin)
+
+
+def _cache_context(cfg, cache: KVCache, num_new: jax.Array, t: int) -> AttentionContext:
+    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+    q_index = cache.lengths[:, None] + offsets
+    new_lengths = cache.lengths + num_new
+    write_index = jnp.where(offsets < num_new[:, None], q_index, cache.max_len)  # padding -> dropped
+    kv_valid = jnp.arange(cache.max_len)[None, :] < new_lengths[:, None]
+    cos, sin = rope_tables(q_index, cfg.head_dim, cfg.rope_theta, cfg.compute_dtype)
+    return AttentionContext(q_index, kv_valid, write_index, cos, sin)
+
+
+def forward(
+    params,
+    cfg: Qwen3Config,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    cache: KVCache | None = None,
+    num_new: jax.Array | None = None,
+    logits_index: jax.Array | None = None,
+    return_hidden: bool = False,
+):
+    """Run the model. Returns (logits [B, T or P, V], new cache or None).
+
+    Without a cache: a causal forward over `tokens` [B, T] (right padding is harmless;
+    `attention_mask` hides padded keys when left padding is used). With a cache: the
+    chunk `tokens` [B, T] is appended to each row at `cache.lengths[b]`, of which the
+    first `num_new[b]` tokens are real (default: all T); positions continue each row.
+    `logits_index` [B, P] picks the positions whose logits are wanted.
+    """
+    model = Qwen3(cfg)
+    b, t = tokens.shape
+    if cache is None:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        ctx = _no_cache_context(cfg, positions, attention_mask)
+        out, _ = model.apply({"params": params}, tokens, ctx, None, logits_index, return_hidden)
+        return out, None
+    if num_new is None:
+        num_new = jnp.full((b,), t, jnp.int32)
+    ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)
+    out, (k, v) = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index, return_hidden)
+    return out, KVCache(k, v, cache.lengths + num_new.astype(jnp.int32))
+
+
+def abstract_params(cfg: Qwen3Config):
+    """Boxed (LogicallyPartitioned) abstract params: shapes, dtypes and logical axes; nothing allocated."""
+    model = Qwen3(cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    ctx = _no_cache_context(cfg, jnp.zeros((1, 1), jnp.int32), None)
+    return jax.eval_shape(lambda key: model.init(key, tokens, ctx, None)["params"], jax.random.key(0))
+
+
+def logical_axes(cfg: Qwen3Config):
+    """A pytree like params whose leaves are tuples of logical axis names."""
+    boxed = abstract_params(cfg)
+    return jax.tree.map(lambda p: tuple(p.names), boxed, is_leaf=lambda p: isinstance(p, nn.LogicallyPartitioned))
+
+
+def init_params(cfg: Qwen3Config, key: jax.Array):
+    """Random params (unboxed) — for tests and from-scratch tiny models."""
+    model = Qwen3(cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    ctx = _no_cache_context(cfg, jnp.zeros((1, 1), jnp.int32), None)
+    return nn.meta.unbox(model.init(key, tokens, ctx, None)["params"])
+
+
+def param_bytes(params) -> int:
+    return int(sum(np.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)))
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden"))
