@@ -1,0 +1,316 @@
+"""The run configuration: typed, frozen dataclasses loaded from YAML plus dotted overrides.
+
+`load_config("run.yaml", ["grpo.learning_rate=2e-6"])` reads the file (following its
+`base:` chain, relative paths), applies the overrides (YAML-typed values), builds and
+validates the `TrainConfig`; every error is a `ConfigError` naming the dotted key. Configs
+hold only the *names* of environment variables for secrets (`user.api_key_env`).
+
+Defaults follow the paper's settings "as run" (shared/PAPER.md); the GRPO variants (DAPO,
+GSPO, Dr. GRPO) are value sets for these same fields. The generic machinery lives in
+`muajax.configlib` and is re-exported here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from muajax.configlib import (
+    ConfigError,
+    bounded,
+    check,
+    config_to_dict,
+    deep_merge,
+    dump_yaml,
+    from_dict,
+    parse_overrides,
+    read_yaml,
+    validate_config,
+)
+
+__all__ = ["ConfigError", "bounded", "check", "config_to_dict", "dump_yaml", "from_dict", "load_config",
+           "parse_overrides", "validate_config", "TrainConfig", "RunConfig", "ArchConfig", "ModelConfig",
+           "MeshConfig", "McpServerConfig", "McpConfig", "EnvConfig", "UserConfig", "RolloutConfig", "GRPOConfig",
+           "SFTConfig", "CheckpointConfig", "MetricsConfig", "EvalConfig"]
+
+
+Stage = Literal["sft", "grpo"]
+Dtype = Literal["float32", "bfloat16"]
+Schedule = Literal["constant", "warmup_cosine"]
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "muajax"
+    out_dir: str = "runs"
+    seed: int = 0
+    stages: tuple[Stage, ...] = ("grpo",)
+
+    def validate(self) -> None:
+        stages = list(self.stages)
+        check(bool(self.name) and not re.search(r"[/\\]", self.name) and self.name not in (".", ".."),
+              "name", f"must be a plain directory name, got {self.name!r}")
+        check(len(stages) > 0, "stages", "must list at least one of 'sft', 'grpo'")
+        check(len(set(stages)) == len(stages) and stages == sorted(stages, key=("sft", "grpo").index), "stages",
+              f"must list each stage once, 'sft' (the cold start) before 'grpo', got {stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchConfig:
+    """An inline architecture: by default a tiny Qwen3 for CPU runs and tests (with Qwen3's
+    vocabulary, so the real tokenizer's ids fit)."""
+
+    vocab_size: int = bounded(151936, ge=1)
+    hidden_size: int = bounded(64, ge=1)
+    intermediate_size: int = bounded(128, ge=1)
+    num_layers: int = bounded(2, ge=1)
+    num_heads: int = bounded(4, ge=1)
+    num_kv_heads: int = bounded(2, ge=1)
+    head_dim: int = bounded(16, ge=1)
+    rope_theta: float = bounded(1_000_000.0, gt=0)
+    rms_norm_eps: float = bounded(1e-6, gt=0)
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = bounded(40960, ge=1)
+
+    def validate(self) -> None:
+        check(self.num_heads % self.num_kv_heads == 0, "num_heads", f"({self.num_heads}) must be a multiple "
+              f"of num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Exactly one source: a named `preset`, an HF checkpoint folder `hf_dir`, or `arch`."""
+
+    preset: str | None = None
+    hf_dir: str | None = None
+    arch: ArchConfig | None = dataclasses.field(default_factory=ArchConfig)
+    param_dtype: Dtype = "float32"
+    dtype: Dtype = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+    scan_layers: bool = True
+
+    def validate(self) -> None:
+        given = [n for n in ("preset", "hf_dir", "arch") if getattr(self, n) is not None]
+        hint = " (add 'model.arch=null' to drop the inline architecture)" if "arch" in given[1:] else ""
+        check(len(given) == 1, "preset", "conflicts: set exactly one of model.preset, model.hf_dir, "
+              f"model.arch; got {given or 'none'}{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device-mesh axis sizes; one of them may be -1, meaning "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def validate(self) -> None:
+        wild = [n for n in ("data", "fsdp", "tensor") if getattr(self, n) == -1]
+        for name in ("data", "fsdp", "tensor"):
+            size = getattr(self, name)
+            check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (the rest of the devices), got {size}")
+            check(name not in wild[1:], name, f"is -1 but so is {wild[0]}; at most one axis may be -1")
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) for `num_devices`, filling in the -1 axis."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 not in sizes and known != num_devices:
+            raise ConfigError(f"mesh: data*fsdp*tensor = {self.data}*{self.fsdp}*{self.tensor} = {known}, but there "
+                              f"are {num_devices} devices (set one axis to -1 to absorb the rest)")
+        if -1 in sizes:
+            if num_devices % known:
+                raise ConfigError(f"mesh: the fixed axes multiply to {known}, which does not divide the "
+                                  f"{num_devices} devices")
+            sizes[sizes.index(-1)] = num_devices // known
+        return sizes[0], sizes[1], sizes[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class McpServerConfig:
+    """An MCP server launched from `command` (stdio) or reached at `url`; credentials reach
+    it only through the environment variables named in `env_vars`."""
+
+    command: tuple[str, ...] = ()
+    url: str | None = None
+    env_vars: tuple[str, ...] = ()
+    timeout_s: float = bounded(30.0, gt=0)
+
+    def validate(self) -> None:
+        check(bool(self.command) != (self.url is not None), "command",
+              "conflicts: set exactly one of 'command' (stdio server) or 'url'")
+        for i, name in enumerate(self.env_vars):
+            check(bool(_ENV_NAME.match(name)), f"env_vars[{i}]", "must be an environment variable name")
+
+
+@dataclasses.dataclass(frozen=True)
+class McpConfig:
+    servers: dict[str, McpServerConfig] = dataclasses.field(default_factory=dict)
+    scenarios: str | None = None  # a file of tasks for the MCP domain
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    domain: Literal["builtin", "retail", "airline", "telecom", "mcp"] = "builtin"
+    train_split: str = "train"
+    eval_split: str = "test"
+    mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
+
+    def validate(self) -> None:
+        check(self.domain != "mcp" or bool(self.mcp.servers), "mcp.servers",
+              "must define at least one server when env.domain is 'mcp'")
+
+
+@dataclasses.dataclass(frozen=True)
+class UserConfig:
+    """The simulated user. For `openai` the key is read from the env var `api_key_env`."""
+
+    kind: Literal["scripted", "openai"] = "scripted"
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = "OPENAI_API_KEY"
+    timeout_s: float = bounded(60.0, gt=0)
+    max_retries: int = bounded(3, ge=0)
+    max_concurrency: int = bounded(16, ge=1)
+    temperature: float = bounded(0.0, ge=0)  # the paper's simulated user ran greedy in training
+
+    def validate(self) -> None:
+        check(self.kind != "openai" or bool(self.model), "model", "is required when user.kind is 'openai'")
+        # A pasted key (e.g. 'sk-...') fails this pattern; the value is not echoed.
+        check(self.api_key_env is None or bool(_ENV_NAME.match(self.api_key_env)), "api_key_env",
+              "must be the NAME of an environment variable (letters, digits, '_'), not the key itself")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    n_per_task: int = bounded(8, ge=1)
+    tasks_per_step: int = bounded(32, ge=1)
+    max_turns: int = bounded(30, ge=1)  # user replies and tool calls both count
+    max_new_tokens_per_turn: int = bounded(1024, ge=1)
+    max_context: int = bounded(32768, ge=1)
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(0, ge=0)  # 0 = no top-k truncation
+    end_on_malformed_call: bool = False  # the released code ends; an error observation is friendlier
+    num_slots: int | None = bounded(None, ge=1)  # concurrent KV slots; None = all rollouts of a step
+
+    def validate(self) -> None:
+        check(self.max_new_tokens_per_turn < self.max_context, "max_new_tokens_per_turn",
+              f"({self.max_new_tokens_per_turn}) must be smaller than max_context ({self.max_context})")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO as run by MUA-RL. Variants: DAPO = clip_high 0.28, dynamic_sampling, kl_coef 0;
+    GSPO = ratio_level sequence, clip_low 3e-4, clip_high 4e-4; Dr. GRPO = advantage_scale
+    none, agg seq-mean-token-sum-norm."""
+
+    steps: int | None = bounded(None, ge=1)  # if set, caps the run; else `epochs` over the tasks
+    epochs: int = bounded(30, ge=1)  # the released script; the paper reports 25
+    learning_rate: float = bounded(1e-6, gt=0)
+    schedule: Schedule = "constant"
+    warmup_steps: int = bounded(0, ge=0)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1)
+    weight_decay: float = bounded(0.01, ge=0)
+    grad_clip: float | None = bounded(1.0, gt=0)
+    clip_low: float = bounded(0.2, gt=0, lt=1)  # 1 - clip_low must stay positive
+    clip_high: float = bounded(0.2, gt=0)
+    dual_clip: float | None = bounded(3.0, gt=1)  # bounds the loss at c*|A| when A < 0
+    kl_coef: float = bounded(0.001, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = bounded(10.0, gt=0)
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    ratio_level: Literal["token", "sequence"] = "token"
+    advantage_scale: Literal["std", "none"] = "std"
+    advantage_eps: float = bounded(1e-6, gt=0)
+    dynamic_sampling: bool = False
+    microbatch_size: int | None = bounded(None, ge=1)
+    ppo_epochs: int = bounded(1, ge=1)
+
+    def validate(self) -> None:
+        check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
+              f"({self.warmup_steps}) must be smaller than steps ({self.steps})")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    data: str | None = None  # a JSONL file of trajectories
+    epochs: int = bounded(2, ge=1)
+    batch_size: int = bounded(128, ge=1)
+    learning_rate: float = bounded(5e-6, gt=0)
+    schedule: Schedule = "warmup_cosine"
+    warmup_ratio: float = bounded(0.0, ge=0, lt=1)
+    max_len: int = bounded(32768, ge=1)
+    microbatch_size: int | None = bounded(None, ge=1)
+
+    def validate(self) -> None:
+        check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",
+              f"({self.microbatch_size}) must divide batch_size ({self.batch_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <run.out_dir>/<run.name>/checkpoints
+    every_steps: int = bounded(10, ge=1)
+    keep: int = bounded(3, ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    trials: int = bounded(4, ge=1)  # τ2's n for pass^k
+    temperature: float = bounded(0.0, ge=0)
+    communicate_info: bool = True  # τ-bench's output check: dropped in training, kept here
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    user: UserConfig = dataclasses.field(default_factory=UserConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.out_dir, self.run.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    def validate(self) -> None:
+        r, arch, mb = self.rollout, self.model.arch, self.grpo.microbatch_size
+        check("sft" not in self.run.stages or self.sft.data is not None, "sft.data",
+              "is required when run.stages includes 'sft'")
+        # The group std is undefined for one rollout, so every advantage would be 0.
+        check("grpo" not in self.run.stages or r.n_per_task >= 2, "rollout.n_per_task",
+              f"must be >= 2 for GRPO's group advantages, got {r.n_per_task}")
+        check(mb is None or (r.n_per_task * r.tasks_per_step) % mb == 0, "grpo.microbatch_size",
+              f"({mb}) must divide the rollout batch n_per_task*tasks_per_step = {r.n_per_task * r.tasks_per_step}")
+        check(arch is None or r.max_context <= arch.max_position_embeddings, "rollout.max_context",
+              f"({r.max_context}) exceeds model.arch.max_position_embeddings ({arch and arch.max_position_embeddings})")
+
+
+def load_config(path: str | os.PathLike | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] = ()) -> TrainConfig:
+    """The validated `TrainConfig` from a YAML file (or the defaults) plus overrides."""
+    data = read_yaml(os.fspath(path)) if path is not None else {}
+    extra = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)
+    return from_dict(TrainConfig, deep_merge(data, extra))
