@@ -31,7 +31,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from muajax.envs.base import ToolCall
-from muajax.models.tokenizer import IM_END_ID
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -136,6 +135,11 @@ def tool_response_text(contents: Sequence[str]) -> str:
 def tool_response_ids(tok, contents: Sequence[str]) -> list[int]:
     """One user turn holding consecutive tool results, grouped as Qwen3's template does."""
     return _encode(tok, tool_response_text(contents))
+
+
+def im_end_id(tok) -> int:
+    """`<|im_end|>` in this tokenizer's ids (a domain tokenizer renumbers ids)."""
+    return int(tok.convert_tokens_to_ids("<|im_end|>"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -415,7 +419,7 @@ def render_messages_ids(
             content = _strip_think(_message_text(message, i + offset))
             text = assistant_text(content, _openai_tool_calls(message, i + offset))
             add(generation_prompt_ids(tok), 0)
-            add(_encode(tok, _check_text(text, f"message {i + offset} (assistant)")) + [IM_END_ID], 1)
+            add(_encode(tok, _check_text(text, f"message {i + offset} (assistant)")) + [im_end_id(tok)], 1)
             add(after_assistant_ids(tok), 0)
         elif role == "system":
             raise ValueError(f"message {i + offset}: a system message is only allowed first")
