@@ -92,12 +92,17 @@ class ModelConfig:
     dtype: Dtype = "float32"
     remat: Literal["none", "full", "dots"] = "none"
     scan_layers: bool = True
+    # "domain": renumber the tokenizer's ids to the subset the domain uses (tiny CPU
+    # models; see muajax.models.vocab). Only with an inline `arch`.
+    vocab: Literal["full", "domain"] = "full"
 
     def validate(self) -> None:
         given = [n for n in ("preset", "hf_dir", "arch") if getattr(self, n) is not None]
         hint = " (add 'model.arch=null' to drop the inline architecture)" if "arch" in given[1:] else ""
         check(len(given) == 1, "preset", "conflicts: set exactly one of model.preset, model.hf_dir, "
               f"model.arch; got {given or 'none'}{hint}")
+        check(self.vocab == "full" or self.arch is not None, "vocab",
+              "'domain' needs an inline model.arch (a checkpoint's vocabulary is fixed)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +161,8 @@ class McpConfig:
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
     domain: Literal["builtin", "retail", "airline", "telecom", "mcp"] = "builtin"
+    builtin_seed: int = 0  # the built-in domain's database and tasks
+    builtin_terse_tools: bool = False  # shorter tool schemas in the prompt (tiny CPU runs)
     train_split: str = "train"
     eval_split: str = "test"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
@@ -238,7 +245,13 @@ class GRPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    data: str | None = None  # a JSONL file of trajectories
+    data: str | None = None  # a JSONL file of conversations (python -m muajax.synth)
+    # With no data on the built-in domain, the scripted expert writes it; this share of its
+    # tasks it handles carelessly (writes before the user confirms), like real cold-start data.
+    expert_careless: float = bounded(0.3, ge=0, le=1)
+    steps: int | None = bounded(None, ge=1)  # caps the epochs
+    weight_decay: float = bounded(0.01, ge=0)
+    grad_clip: float | None = bounded(1.0, gt=0)
     epochs: int = bounded(2, ge=1)
     batch_size: int = bounded(128, ge=1)
     learning_rate: float = bounded(5e-6, gt=0)
@@ -271,6 +284,7 @@ class EvalConfig:
     trials: int = bounded(4, ge=1)  # τ2's n for pass^k
     temperature: float = bounded(0.0, ge=0)
     communicate_info: bool = True  # τ-bench's output check: dropped in training, kept here
+    max_tasks: int | None = bounded(None, ge=1)  # evaluate on the first N tasks of the split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +311,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         r, arch, mb = self.rollout, self.model.arch, self.grpo.microbatch_size
-        check("sft" not in self.run.stages or self.sft.data is not None, "sft.data",
-              "is required when run.stages includes 'sft'")
+        check("sft" not in self.run.stages or self.sft.data is not None or self.env.domain == "builtin",
+              "sft.data", "is required when run.stages includes 'sft' (only the built-in domain has an expert "
+              "to synthesize it)")
         # The group std is undefined for one rollout, so every advantage would be 0.
         check("grpo" not in self.run.stages or r.n_per_task >= 2, "rollout.n_per_task",
               f"must be >= 2 for GRPO's group advantages, got {r.n_per_task}")

@@ -128,7 +128,7 @@ def test_bad_types_and_choices(override, message):
     (["rollout.top_p=1.5"], r"'rollout.top_p' must be <= 1, got 1.5"),
     (["rollout.n_per_task=1"], r"'rollout.n_per_task' must be >= 2 for GRPO"),
     (["grpo.microbatch_size=7"], r"'grpo.microbatch_size' \(7\) must divide the rollout batch .* 256"),
-    (["run.stages=[sft]"], r"'sft.data' is required"),
+    (["run.stages=[sft]", "env.domain=retail", "user.kind=openai", "user.model=m"], r"'sft.data' is required"),
     (["run.stages=[grpo, sft]", "sft.data=x"], r"'run.stages' must list each stage once, 'sft' \(the cold start\) before 'grpo'"),
     (["run.stages=[]"], r"'run.stages' must list at least one"),
     (["run.stages=[grpo, grpo]"], r"'run.stages' must list each stage once"),

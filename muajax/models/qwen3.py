@@ -326,6 +326,25 @@ def forward(
     return out, KVCache(k, v, cache.lengths + num_new.astype(jnp.int32))
 
 
+def forward_shared_prefix(params, cfg: Qwen3Config, tokens: jax.Array, prefix_len: int) -> jax.Array:
+    """Hidden states [B, T, D] equal to `forward(..., return_hidden=True)` for a batch whose
+    rows all begin with the same `prefix_len` tokens (e.g. the system prompt with policy and
+    tools, which dominates short agent conversations): the prefix runs once, for one row,
+    into a KV cache that every row then extends with its own tokens. Differentiable; the
+    prefix's gradient is the sum over rows, as in the full forward.
+    """
+    b, t = tokens.shape
+    if not 0 < prefix_len < t:
+        raise ValueError(f"prefix_len={prefix_len} must be in (0, {t})")
+    cache = init_cache(cfg, 1, t)
+    h_prefix, cache = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True)
+    shape = (cfg.num_layers, b) + cache.k.shape[2:]
+    cache = KVCache(jnp.broadcast_to(cache.k, shape), jnp.broadcast_to(cache.v, shape),
+                    jnp.broadcast_to(cache.lengths, (b,)))
+    h_rest, _ = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True)
+    return jnp.concatenate([jnp.broadcast_to(h_prefix, (b,) + h_prefix.shape[1:]), h_rest], axis=1)
+
+
 def abstract_params(cfg: Qwen3Config):
     """Boxed (LogicallyPartitioned) abstract params: shapes, dtypes and logical axes; nothing allocated."""
     model = Qwen3(cfg)

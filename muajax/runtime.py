@@ -1,0 +1,134 @@
+"""Build what a run needs from its config: mesh, model config, tokenizer, params,
+environment and simulated user. Shared by train, eval and serve.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+
+from muajax import parallel
+from muajax.config import TrainConfig
+from muajax.envs.base import Environment
+from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.tokenizer import load_tokenizer
+from muajax.models.vocab import DomainTokenizer, DomainVocab
+
+
+def maybe_initialize_distributed() -> None:
+    """Join a multi-process run when the launcher says so (TPU pods set this up themselves;
+    elsewhere MUAJAX_COORDINATOR, MUAJAX_NUM_PROCESSES and MUAJAX_PROCESS_ID)."""
+    if os.environ.get("MUAJAX_COORDINATOR"):
+        jax.distributed.initialize(
+            coordinator_address=os.environ["MUAJAX_COORDINATOR"],
+            num_processes=int(os.environ["MUAJAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["MUAJAX_PROCESS_ID"]),
+        )
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()
+
+
+def make_mesh(cfg: TrainConfig):
+    data, fsdp, tensor = cfg.mesh.resolve(jax.device_count())
+    return parallel.make_mesh(data, fsdp, tensor)
+
+
+def make_environment(cfg: TrainConfig) -> Environment:
+    domain = cfg.env.domain
+    if domain == "builtin":
+        from muajax.envs.builtin import BuiltinEnvironment
+
+        return BuiltinEnvironment(seed=cfg.env.builtin_seed, terse_tools=cfg.env.builtin_terse_tools)
+    if domain in ("retail", "airline", "telecom"):
+        from muajax.envs.tau2 import Tau2Environment
+
+        return Tau2Environment(domain)
+    from muajax.envs.mcp import McpEnvironment
+
+    return McpEnvironment.from_config(cfg.env.mcp)
+
+
+def make_user(cfg: TrainConfig, env: Environment):
+    if cfg.user.kind == "scripted":
+        if cfg.env.domain != "builtin":
+            raise SystemExit(f"user.kind=scripted exists only for env.domain=builtin; use user.kind=openai for "
+                             f"{cfg.env.domain!r}")
+        from muajax.users.scripted import ScriptedUser
+
+        return ScriptedUser()
+    from muajax.users.openai_user import OpenAIUserSimulator
+
+    kwargs = dict(model=cfg.user.model, api_key_env=cfg.user.api_key_env, timeout_s=cfg.user.timeout_s,
+                  max_retries=cfg.user.max_retries, max_concurrency=cfg.user.max_concurrency,
+                  temperature=cfg.user.temperature)
+    if cfg.user.base_url:
+        kwargs["base_url"] = cfg.user.base_url
+    if cfg.env.domain in ("retail", "airline", "telecom"):
+        from muajax.envs.tau2 import tau2_user_guidelines
+
+        kwargs["guidelines"] = tau2_user_guidelines(cfg.env.domain)
+    return OpenAIUserSimulator(**kwargs)
+
+
+def domain_texts(env: Environment) -> list[str]:
+    """Every text the domain can put in a conversation: policy, tool schemas, and the
+    scripted expert's conversations on all tasks (a vocabulary, not outcomes)."""
+    from muajax.chat import system_prompt_text
+    from muajax.envs.builtin.expert import expert_conversation
+
+    texts = []
+    for split in ("train", "test"):
+        for task in env.tasks(split):
+            session = env.reset(task)
+            texts.append(system_prompt_text(env.policy(), session.tools()))
+            for careless in (0.0, 1.0):
+                messages, _ = expert_conversation(env, task, careless=careless, seed=0)
+                texts.extend(json.dumps(m, ensure_ascii=False) for m in messages)
+                texts.extend(str(m.get("content") or "") for m in messages)
+    return texts
+
+
+def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokenizer=None):
+    """(Qwen3Config, tokenizer, hf_dir or None). A domain vocabulary is built once and
+    saved in the run directory, so a resumed run reads back the same ids."""
+    m = cfg.model
+    dtypes = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+    if m.hf_dir:
+        from muajax.models.hf import load_config
+
+        return load_config(m.hf_dir, **dtypes), load_tokenizer(m.hf_dir), m.hf_dir
+    if tokenizer is not None:  # given by the caller (tests, custom domains)
+        arch = dataclasses.asdict(m.arch) if m.arch else None
+        if arch is not None and m.vocab == "domain":
+            arch["vocab_size"] = tokenizer.vocab.padded_size()
+        return (Qwen3Config(**arch, **dtypes) if arch else None), tokenizer, None
+    tokenizer = load_tokenizer()
+    if m.preset:
+        from muajax.models.presets import preset_config
+
+        return preset_config(m.preset, **dtypes), tokenizer, None
+    arch = dataclasses.asdict(m.arch)
+    if m.vocab == "domain":
+        path = os.path.join(run_dir, "vocab.json")
+        if os.path.isfile(path):
+            vocab = DomainVocab.load(path)
+        else:
+            vocab = DomainVocab.from_texts(tokenizer, domain_texts(env))
+            if jax.process_index() == 0:
+                os.makedirs(run_dir, exist_ok=True)
+                vocab.save(path)
+        tokenizer = DomainTokenizer(tokenizer, vocab)
+        arch["vocab_size"] = vocab.padded_size()
+    return Qwen3Config(**arch, **dtypes), tokenizer, None
+
+
+def initial_params(model_cfg: Qwen3Config, hf_dir: str | None, mesh, seed: int):
+    shardings = parallel.param_shardings(model_cfg, mesh)
+    if hf_dir:
+        from muajax.models.hf import load_params
+
+        params, _ = load_params(hf_dir, model_cfg, shardings)
+        return params
+    return jax.jit(lambda key: init_params(model_cfg, key), out_shardings=shardings)(jax.random.key(seed))
