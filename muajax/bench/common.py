@@ -1,0 +1,128 @@
+"""Timing and reporting helpers shared by every `python -m muajax.bench <name>` benchmark.
+
+Rules these helpers enforce, so each benchmark does not have to:
+- device work is waited for (`block`) before the clock stops: JAX dispatch is async;
+- every candidate is warmed up (compilation, allocator, caches) before it is timed;
+- candidates measured against each other run interleaved, alternating which goes first
+  each round, so drift from other processes on a shared machine hits both alike;
+- medians, not means: one descheduled run must not move the figure;
+- the result is one JSON line, the last line of output (`emit_json`), finite numbers only.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class BenchError(Exception):
+    """A benchmark cannot run as asked (bad option, missing dependency); the message says why."""
+
+
+def block(x: Any) -> Any:
+    """Wait until every JAX array in the pytree `x` is computed; other leaves pass through."""
+    if "jax" in sys.modules:
+        import jax
+
+        for leaf in jax.tree.leaves(x):
+            if hasattr(leaf, "block_until_ready"):
+                leaf.block_until_ready()
+    return x
+
+
+def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = block(fn())
+    return time.perf_counter() - start, out
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 1, repeat: int = 5) -> list[float]:
+    for _ in range(warmup):
+        block(fn())
+    return [time_call(fn)[0] for _ in range(repeat)]
+
+
+def interleave(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1, repeat: int = 5,
+               on_warmup: Callable[[str, Any], None] | None = None) -> dict[str, list[float]]:
+    """Seconds per call for each named candidate, `repeat` rounds of one call each.
+
+    `on_warmup(name, output)` sees the last warm-up output (e.g. to check the candidates agree)."""
+    if repeat < 1 or warmup < 0:
+        raise BenchError(f"repeat must be >= 1 and warmup >= 0, got repeat={repeat}, warmup={warmup}")
+    names = list(fns)
+    for name in names:
+        out = None
+        for _ in range(max(warmup, 1 if on_warmup else 0)):
+            out = None  # let the previous output go before the next one is allocated
+            out = block(fns[name]())
+        if on_warmup is not None:
+            on_warmup(name, out)
+        del out
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeat):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(time_call(fns[name])[0])
+    return times
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def summary(xs) -> dict:
+    return {"median_s": median(xs), "min_s": float(min(xs)), "max_s": float(max(xs)), "n": len(xs)}
+
+
+def ratio(a: float, b: float) -> float:
+    return float(a / b) if b else float("nan")
+
+
+def machine_info() -> dict:
+    """What the figures depend on besides the code: cores, load from others, versions, flags."""
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    if "jax" in sys.modules:
+        import jax
+
+        info.update(jax_version=jax.__version__, jax_backend=jax.default_backend())
+    if "torch" in sys.modules:
+        import torch
+
+        info.update(torch_version=torch.__version__, torch_threads=torch.get_num_threads())
+    return info
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy / jax scalars
+        return _finite(x.item())
+    return x
+
+
+def emit_json(d: Mapping[str, Any]) -> str:
+    """Print `d` as the single, final JSON line (NaN/inf become null: JSON has neither)."""
+    line = json.dumps(_finite(d), allow_nan=False, sort_keys=False)
+    sys.stdout.flush()
+    print(line, flush=True)
+    return line
+
+
+def log(msg: str) -> None:
+    """Human-readable progress, on stdout before the JSON line."""
+    print(msg, flush=True)
