@@ -22,7 +22,6 @@ Exit 2: a bad directory or arguments. The last stdout line is always one JSON ob
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import math
@@ -172,46 +171,17 @@ def muajax_logits(params, cfg, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(logits.astype(jnp.float32))
 
 
-@functools.cache
-def _greedy_program():
-    import jax
-    import jax.numpy as jnp
-
-    from muajax.models.qwen3 import forward, init_cache
-
-    @functools.partial(jax.jit, static_argnames=("cfg", "steps", "max_len"))
-    def greedy(params, cfg, tokens, lengths, steps, max_len):
-        cache = init_cache(cfg, tokens.shape[0], max_len)
-        logits, cache = forward(params, cfg, tokens, cache=cache, num_new=lengths,
-                                logits_index=(lengths - 1)[:, None])
-        first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-
-        def step(carry, _):
-            last, cache = carry
-            logits, cache = forward(params, cfg, last[:, None], cache=cache)
-            nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            return (nxt, cache), nxt
-
-        _, rest = jax.lax.scan(step, (first, cache), None, length=steps - 1)
-        return jnp.concatenate([first[:, None], rest.T], axis=1)
-
-    return greedy
-
-
 def muajax_greedy(params, cfg, prompts: list[list[int]], num_tokens: int) -> np.ndarray:
-    """[B, num_tokens] greedy ids through muajax's KV cache.
+    """[B, num_tokens] greedy ids from muajax's generation engine (one KV slot per prompt,
+    ragged prompts extended together, then the on-device decode loop), so parity vouches
+    for the engine users actually run. No stop token: exactly `num_tokens` each."""
+    from muajax.engine.engine import Engine, SamplingParams
 
-    The seam for `muajax.engine`: once the engine is the decode path of record, this body
-    becomes open(prompt) per slot + generate(temperature=0, max_new_tokens=N), and parity
-    then vouches for the engine itself; the callers stay as they are.
-    """
-    import jax.numpy as jnp
-
-    tokens, mask = pad_right(prompts)
-    lengths = mask.sum(axis=1).astype(np.int32)
-    out = _greedy_program()(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths),
-                            steps=num_tokens, max_len=tokens.shape[1] + num_tokens)
-    return np.asarray(out, np.int64)
+    engine = Engine(params, cfg, num_slots=len(prompts), max_len=max(map(len, prompts)) + num_tokens + 1,
+                    stop_ids=())
+    slots = [engine.open(p) for p in prompts]
+    gens = engine.generate(slots, SamplingParams(temperature=0.0, max_new_tokens=num_tokens))
+    return np.asarray([gens[s].tokens for s in slots], np.int64)
 
 
 # ----------------------------------------------------------------------------- comparison
