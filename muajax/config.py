@@ -118,7 +118,8 @@ class MeshConfig:
         for name in ("data", "fsdp", "tensor"):
             size = getattr(self, name)
             check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (the rest of the devices), got {size}")
-            check(name not in wild[1:], name, f"is -1 but so is {wild[0]}; at most one axis may be -1")
+            if name in wild[1:]:
+                check(False, name, f"is -1 but so is {wild[0]}; at most one axis may be -1")
 
     def resolve(self, num_devices: int) -> tuple[int, int, int]:
         """(data, fsdp, tensor) for `num_devices`, filling in the -1 axis."""
@@ -161,6 +162,8 @@ class McpConfig:
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
     domain: Literal["builtin", "retail", "airline", "telecom", "mcp"] = "builtin"
+    # several τ2 domains trained together (e.g. [retail, airline]); overrides `domain`
+    domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
     builtin_seed: int = 0  # the built-in domain's database and tasks
     builtin_terse_tools: bool = False  # shorter tool schemas in the prompt (tiny CPU runs)
     train_split: str = "train"

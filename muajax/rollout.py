@@ -406,8 +406,8 @@ class _Driver:
         self._system_ids: dict[str, list[int]] = {}
         self.stats = {"steps": 0, "peak_live": 0, "wait_s": 0.0}
 
-    def _system(self, schemas: Sequence[dict[str, Any]]) -> list[int]:
-        text = self.opts.system_text if self.opts.system_text is not None else self.env.policy()
+    def _system(self, schemas: Sequence[dict[str, Any]], task: Task) -> list[int]:
+        text = self.opts.system_text if self.opts.system_text is not None else self.env.policy_for(task)
         key = json.dumps([text, schemas], sort_keys=True, default=str)
         if key not in self._system_ids:
             self._system_ids[key] = system_prompt_ids(self.tok, text, schemas)
@@ -421,7 +421,7 @@ class _Driver:
             user_session = self.user.start(task, session)
             tools = session.tools()
             return Conversation(self.tok, self.opts, task, group_id=ti, rollout_index=ri, seed=seed, session=session,
-                                user_session=user_session, system_ids=self._system(tools),
+                                user_session=user_session, system_ids=self._system(tools, task),
                                 schemas=tool_schemas(session), max_context=self.max_context)
         except Exception as e:
             log.exception("setting up %s/%d failed", getattr(task, "task_id", task), ri)

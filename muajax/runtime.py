@@ -36,6 +36,11 @@ def make_mesh(cfg: TrainConfig):
 
 
 def make_environment(cfg: TrainConfig) -> Environment:
+    if cfg.env.domains:
+        from muajax.envs.combined import CombinedEnvironment
+        from muajax.envs.tau2 import Tau2Environment
+
+        return CombinedEnvironment([Tau2Environment(d) for d in cfg.env.domains])
     domain = cfg.env.domain
     if domain == "builtin":
         from muajax.envs.builtin import BuiltinEnvironment
@@ -65,10 +70,12 @@ def make_user(cfg: TrainConfig, env: Environment):
                   temperature=cfg.user.temperature)
     if cfg.user.base_url:
         kwargs["base_url"] = cfg.user.base_url
-    if cfg.env.domain in ("retail", "airline", "telecom"):
+    tau2_domains = cfg.env.domains or ((cfg.env.domain,) if cfg.env.domain in ("retail", "airline", "telecom") else ())
+    if tau2_domains:
         from muajax.envs.tau2 import tau2_user_guidelines
 
-        kwargs["guidelines"] = tau2_user_guidelines(cfg.env.domain)
+        # retail and airline share τ2's guidelines; telecom's add the user's own tools
+        kwargs["guidelines"] = tau2_user_guidelines(tau2_domains[0])
     return OpenAIUserSimulator(**kwargs)
 
 

@@ -220,11 +220,7 @@ class Trainer:
         steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
         batch_size = r.n_per_task * r.tasks_per_step
         micro = batch_size // g.microbatch_size if g.microbatch_size else 1
-        session = self.env.reset(tasks[0])
-        try:  # every conversation starts with the same system prompt: computed once per batch
-            prefix = len(system_prompt_ids(self.tok, self.env.policy(), session.tools()))
-        finally:
-            session.close()
+        prefix = self._shared_system_prefix(tasks)
         options = GRPOOptions.from_config(g, temperature=max(r.temperature, 1e-6), num_groups=batch_size + 64,
                                           shared_prefix=prefix)
         step_fn = make_grpo_step(self.model_cfg, optimizer_from_config(g, total_steps=steps), self.mesh,
@@ -278,6 +274,20 @@ class Trainer:
         ckpt.wait()
         ckpt.close()
         return state.params
+
+    def _shared_system_prefix(self, tasks) -> int:
+        """Tokens every conversation starts with (the system prompt, if one domain): the GRPO
+        step computes them once per batch instead of once per row."""
+        prompts = {}
+        for task in tasks:
+            if task.domain not in prompts:
+                session = self.env.reset(task)
+                try:
+                    prompts[task.domain] = system_prompt_ids(self.tok, self.env.policy_for(task), session.tools())
+                finally:
+                    session.close()
+        rows = list(prompts.values())
+        return len(rows[0]) if len(rows) == 1 else _common_prefix(rows)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:

@@ -97,6 +97,10 @@ class Environment(abc.ABC):
     def policy(self) -> str:
         """The written domain policy that goes into the agent's system prompt."""
 
+    def policy_for(self, task: Task) -> str:
+        """The policy for one task (domains combined from several policies override this)."""
+        return self.policy()
+
     @abc.abstractmethod
     def tasks(self, split: str) -> list[Task]:
         """The tasks of a split ("train" or "test")."""
