@@ -118,6 +118,8 @@ def config_from_hf(hf_config: dict, *, source: str = "config.json", **overrides)
     theta = rope.get("rope_theta", hf_config.get("rope_theta"))
     if theta is None:
         raise CheckpointError(f"{source}: no rope_theta (neither top-level nor in rope_parameters)")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act={hf_config['hidden_act']!r} is not Qwen3's 'silu'")
     if hf_config.get("attention_bias"):
         raise CheckpointError(f"{source}: attention_bias=true is not Qwen3's architecture")
     if hf_config.get("use_sliding_window"):
