@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from muajax import runtime
+from muajax import distributed, runtime
 from muajax.chat import im_end_id, render_messages_ids, system_prompt_ids
 from muajax.checkpoint import Checkpointer
 from muajax.config import TrainConfig, config_to_dict
@@ -31,7 +31,7 @@ from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.rl.step import GRPOOptions, make_grpo_step
 from muajax.rollout import RolloutOptions, run_rollouts_sync
-from muajax.trajectory import collate, rollout_metrics
+from muajax.trajectory import rollout_metrics
 
 log = logging.getLogger(__name__)
 LENGTH_MULTIPLE = 128  # padded batch lengths are multiples of this: few shapes, few compilations
@@ -92,7 +92,8 @@ class Trainer:
         if not hasattr(self, "engine"):
             self.engine = Engine(params, self.model_cfg, num_slots=self.engine_slots,
                                  max_len=self.cfg.rollout.max_context, mesh=self.mesh,
-                                 stop_ids=(im_end_id(self.tok),), decode_chunk=16)
+                                 stop_ids=(im_end_id(self.tok),), decode_chunk=16,
+                                 min_batch_bucket=min(8, self.engine_slots))
         self.engine.params = params  # the engine reads the live params: no copy
         return self.engine
 
@@ -173,7 +174,8 @@ class Trainer:
 
     def run_sft(self, params):
         s = self.cfg.sft
-        examples = self.sft_examples()
+        distributed.use_process_local_engine(self)  # multi-host: each host decodes on its own devices
+        examples = distributed.from_main_process(self.sft_examples)  # multi-host: only host 0 has the data file
         per_epoch = max(1, len(examples) // s.batch_size)
         total = s.steps or per_epoch * s.epochs
         optimizer = optimizer_from_config(s, total_steps=total)
@@ -200,7 +202,9 @@ class Trainer:
             order = np.random.default_rng([self.cfg.run.seed, 7, epoch]).permutation(len(examples))
             chosen = [examples[i] for i in order[index * s.batch_size:(index + 1) * s.batch_size]]
             batch = _sft_batch(chosen, self.tok_pad, length)
-            state, metrics = step_fn(state, self._pad_batch(batch, _batch_divisor(self.mesh, micro)))
+            batch = self._pad_batch(batch, _batch_divisor(self.mesh, micro))
+            # multi-host: every process built this same batch; each places its own devices' rows
+            state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}
             writer.write(step + 1, metrics)
             bar.update(step + 1, loss=metrics["loss"])
@@ -216,6 +220,7 @@ class Trainer:
     # ------------------------------------------------------------------ GRPO
     def run_grpo(self, params):
         cfg, r, g = self.cfg, self.cfg.rollout, self.cfg.grpo
+        distributed.use_process_local_engine(self)  # multi-host: each host decodes on its own devices
         tasks = self.env.tasks(cfg.env.train_split)
         steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
         batch_size = r.n_per_task * r.tasks_per_step
@@ -243,20 +248,28 @@ class Trainer:
             t0 = time.time()
             engine = self._engine(state.params)
             device_before = engine.stats["device_s"]
-            chosen = stream.take(r.tasks_per_step)
+            # multi-host: this process rolls out its contiguous share of the step's tasks (one
+            # process: all of them) under their global indices, so seeds and group ids are the step's
+            first, chosen = distributed.task_share(stream.take(r.tasks_per_step))
             trajectories = run_rollouts_sync(engine, self.tok, self.env, self.user, chosen,
-                                             options=self.rollout_options, seed=_step_seed(cfg.run.seed, step))
+                                             options=self.rollout_options, seed=_step_seed(cfg.run.seed, step),
+                                             first_task_index=first)
             t_rollout = time.time() - t0
-            batch = collate(trajectories, pad_id=self.tok_pad, multiple=ROLLOUT_LENGTH_MULTIPLE)
+            batch = distributed.collate_share(trajectories, pad_id=self.tok_pad, multiple=ROLLOUT_LENGTH_MULTIPLE,
+                                              first_group=first)
             if _common_prefix(batch["tokens"]) < prefix:
                 raise RuntimeError(f"rollouts no longer share the {prefix}-token system prompt")
             if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
                 batch = _mask_uniform_groups(batch)
-            batch = self._pad_batch(batch, _batch_divisor(self.mesh, micro))
+            divisor = _batch_divisor(self.mesh, micro)
+            # multi-host: the processes' blocks become one global batch (advantages over all of it)
+            batch = (distributed.global_batch(batch, self.mesh, divisor, pad_id=self.tok_pad)
+                     if distributed.multiprocess() else self._pad_batch(batch, divisor))
             t1 = time.time()
             state, metrics = step_fn(state, batch, reference) if reference is not None else step_fn(state, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}
             t_update = time.time() - t1
+            trajectories = distributed.gather_for_metrics(trajectories)  # multi-host: metrics of the whole step
             sampled = int(sum(t.num_sampled for t in trajectories))
             record = {**_flat(rollout_metrics(trajectories)), **metrics,
                       "time/rollout_s": t_rollout, "time/update_s": t_update,

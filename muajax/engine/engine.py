@@ -82,7 +82,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 class Engine:
     def __init__(self, params, cfg: Qwen3Config, *, num_slots: int, max_len: int, mesh=None,
                  stop_ids: Iterable[int] = (IM_END_ID,), decode_chunk: int = 32,
-                 extend_widths: Sequence[int] = (32, 128, 512, 2048)):
+                 extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1):
         if num_slots < 1 or max_len < 2:
             raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
         self.params = params  # read directly: assign new params after an update, nothing is copied
@@ -93,7 +93,10 @@ class Engine:
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
         self.decode_chunk = decode_chunk
         self.extend_widths = tuple(w for w in extend_widths if w < max_len) + (max_len,)
-        self.batch_buckets = tuple(sorted({min(2**i, num_slots) for i in range(num_slots.bit_length() + 1)}))
+        # Batches are padded to a power of two (at least min_batch_bucket): each bucket is one
+        # compilation; a larger minimum trades a little padded work for fewer compilations.
+        self.batch_buckets = tuple(sorted({min(max(2**i, min_batch_bucket), num_slots)
+                                           for i in range(num_slots.bit_length() + 1)}))
         self._shardings = None if mesh is None else kv_cache.cache_shardings(cfg, num_slots, max_len, mesh)
         self.cache: KVCache = kv_cache.allocate(cfg, num_slots, max_len, mesh)
         self._slots: dict[int, _Slot] = {}
@@ -144,6 +147,10 @@ class Engine:
 
     def is_generating(self, slot: int) -> bool:
         return self._get(slot).sampling is not None
+
+    def sampled(self, slot: int) -> list[int]:
+        """Tokens the slot's current (or last) generation has sampled so far (for streaming)."""
+        return list(self._get(slot).tokens)
 
     def _get(self, slot: int) -> _Slot:
         if slot not in self._slots:

@@ -1,0 +1,67 @@
+"""The cold-start SFT step: next-token cross-entropy on assistant tokens only.
+
+Same machinery as GRPO (`muajax.rl.step.TrainStep`: sharding, microbatches, AdamW,
+non-finite skip); only the loss differs. Batch: `tokens` int32 [B, T] and `loss_mask`
+[B, T], 1 on the assistant's own tokens (its closing <|im_end|> included), indexed by
+token like the GRPO batch: position t of the forward predicts tokens[:, t+1], whose
+mask is loss_mask[:, t+1]. The loss is the token-mean over the whole batch, as MUA-RL's
+cold start (verl's SFT trainer) aggregates it.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from muajax import parallel
+from muajax.models.qwen3 import Qwen3Config
+from muajax.rl.optim import Optimizer
+from muajax.rl.step import TrainStep, sequence_logprobs, shift_left
+
+
+def sft_terms(logprobs, mask, entropy=None):
+    """(loss_sum, denominator, sums) of masked negative log-likelihood; logprobs, mask [B, T]
+    already aligned (mask[b, t] weighs logprobs[b, t]). Masked positions contribute an exact
+    0 (selected away, so a -inf logprob there is harmless)."""
+    keep = mask != 0
+    nll = jnp.where(keep, -logprobs.astype(jnp.float32), 0.0)
+    n = keep.astype(jnp.float32).sum()
+    sums = {"num_tokens": n, "num_seqs": keep.any(axis=-1).astype(jnp.float32).sum(),
+            "nll_sum": jax.lax.stop_gradient(nll.sum())}
+    if entropy is not None:
+        sums["entropy_sum"] = jax.lax.stop_gradient(jnp.where(keep, entropy, 0.0).sum())
+    return nll.sum(), n, sums
+
+
+def sft_loss_fn(cfg: Qwen3Config, *, logits_chunk: int | None = None, shared_prefix: int = 0,
+                with_entropy: bool = True):
+    def loss_fn(params, _frozen, mb):
+        if "tokens" not in mb or "loss_mask" not in mb:
+            raise KeyError(f"SFT batch needs 'tokens' and 'loss_mask'; got keys {sorted(mb)}")
+        tokens = mb["tokens"]
+        logp, ent = sequence_logprobs(params, cfg, tokens, shift_left(tokens), logits_chunk=logits_chunk,
+                                      shared_prefix=shared_prefix, with_entropy=with_entropy)
+        return sft_terms(logp, shift_left(mb["loss_mask"]), ent)
+
+    return loss_fn
+
+
+def sft_finalize(denom, sums) -> dict:
+    n = jnp.maximum(sums["num_tokens"], 1.0)
+    out = {"nll": sums["nll_sum"] / n, "num_tokens": sums["num_tokens"], "num_seqs": sums["num_seqs"]}
+    if "entropy_sum" in sums:
+        out["entropy"] = sums["entropy_sum"] / n
+    return out
+
+
+def make_sft_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, microbatches: int = 1,
+                  logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True,
+                  donate: bool = True) -> TrainStep:
+    """`step(state, {"tokens", "loss_mask"}) -> (state, metrics)`; metrics as GRPO's
+    generic ones (loss, grad_norm, lr, skipped, ...) plus nll, num_tokens and (unless
+    `with_entropy=False`, which saves two vocabulary-wide passes) entropy."""
+    loss_fn = sft_loss_fn(cfg, logits_chunk=logits_chunk, shared_prefix=shared_prefix, with_entropy=with_entropy)
+    step = TrainStep(loss_fn, optimizer, mesh,
+                     parallel.param_shardings(cfg, mesh), microbatches=microbatches,
+                     finalize_fn=sft_finalize, donate=donate)
+    step.model_cfg = cfg
+    return step

@@ -1,0 +1,395 @@
+"""The sharded train step: microbatched gradients, AdamW, non-finite skip — for GRPO and SFT.
+
+`make_train_step(loss_fn, optimizer, mesh, param_shardings, ...)` is model- and
+loss-agnostic: `loss_fn(params, frozen, microbatch) -> (loss_sum, denominator, sums)`
+returns one microbatch's *unnormalised* loss, the count it is normalised by, and a dict
+of scalar metric sums. The step differentiates loss_sum per microbatch, adds the
+gradients, and divides once by the total denominator, so k microbatches give the
+full-batch gradient exactly (up to float associativity) whatever the normaliser
+(token-mean, seq-mean, ...). `make_grpo_step` and `muajax.rl.sft.make_sft_step` are
+the two instances.
+
+Batch layout (every array's leading dim is the batch, sharded over (data, fsdp)):
+  tokens       int32 [B, T]  the full token sequence, prompt and all turns, right-padded
+                             with any valid id;
+  loss_mask    [B, T]        1 where tokens[b, t] was sampled by the agent;
+  old_logprobs f32 [B, T]    the rollout's logprob of tokens[b, t] (GRPO);
+  rewards      f32 [B], group_ids int32 [B]  (GRPO; or `advantages` f32 [B] instead).
+Masks and logprobs are indexed by the *token* they describe, as the rollout stores
+them. Inside the step, position t of the forward predicts token t+1: targets are
+tokens[:, 1:], their mask loss_mask[:, 1:] and old logprobs old_logprobs[:, 1:]
+(padded by one masked column so T stays T). Column 0 is never a target.
+
+GRPO advantages are computed inside the step from the whole batch's rewards before it
+is split into microbatches, so a group may straddle microbatches. A batch that carries
+`advantages` uses them as given (e.g. computed on the host after dynamic sampling).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from muajax import parallel
+from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix
+from muajax.rl.advantages import group_advantages
+from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
+from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
+from muajax.rl.optim import Optimizer
+
+LossFn = Callable[[Any, Any, dict], tuple[jax.Array, jax.Array, dict]]
+
+
+class TrainState(NamedTuple):
+    step: jax.Array      # int32 []: train-step calls so far, applied or skipped
+    params: Any
+    opt_state: Any
+    skipped: jax.Array   # int32 []: updates dropped for a non-finite loss or gradient
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def shift_left(x: jax.Array, fill=0) -> jax.Array:
+    """x[:, 1:] padded at the end with `fill`: aligns per-token data with next-token targets."""
+    pad = jnp.full_like(x[:, :1], fill)
+    return jnp.concatenate([x[:, 1:], pad], axis=1)
+
+
+def _head(params, cfg: Qwen3Config):
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature: float = 1.0,
+                      logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True):
+    """(logprobs, entropy) f32 [B, T] of `targets` under the model run on `tokens`.
+
+    `with_entropy=False` returns (logprobs, None) and saves two [B, T, V] passes (the
+    entropy's, and its zero cotangent's in the backward).
+
+    With `logits_chunk`, the LM head and log-softmax run over chunks of positions under
+    remat, so only one [B, chunk, V] logits block is ever alive (forward or backward)
+    instead of [B, T, V] — at T = 32k and V = 152k the full block is tens of GB.
+    With `shared_prefix` = P > 0 every row must begin with the same P tokens (the system
+    prompt): they run once, not once per row (`forward_shared_prefix`).
+    """
+    if shared_prefix:
+        hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
+    else:
+        hidden, _ = forward(params, cfg, tokens, return_hidden=True)
+    head = _head(params, cfg)
+    dt = cfg.compute_dtype
+
+    def block(h, tgt):
+        logits = jnp.einsum("BTD,DV->BTV", h, head.astype(dt))
+        logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+        if with_entropy:
+            return logprobs_and_entropy(logits, tgt, temperature)
+        if temperature != 1.0:
+            logits = logits.astype(jnp.float32) / jnp.float32(temperature)
+        return token_logprobs(logits, tgt), None
+
+    b, t = tokens.shape
+    if logits_chunk is None or logits_chunk >= t:
+        return block(hidden, targets)
+    if t % logits_chunk:
+        raise ValueError(f"logits_chunk={logits_chunk} must divide the sequence length {t}")
+    n = t // logits_chunk
+    h = hidden.reshape(b, n, logits_chunk, -1).swapaxes(0, 1)
+    tg = targets.reshape(b, n, logits_chunk).swapaxes(0, 1)
+    logp, ent = jax.lax.map(lambda xs: jax.checkpoint(block)(*xs), (h, tg))
+    unchunk = lambda x: None if x is None else x.swapaxes(0, 1).reshape(b, t)
+    return unchunk(logp), unchunk(ent)
+
+
+def _split_microbatches(x: jax.Array, k: int, mesh) -> jax.Array:
+    """[B, ...] -> [k, B/k, ...] with microbatch j = rows j, j+k, j+2k, ...
+
+    Strided rather than contiguous: each device's contiguous block of rows then holds an
+    equal share of every microbatch, so the split moves no data between devices.
+    """
+    b = x.shape[0]
+    y = x.reshape(b // k, k, *x.shape[1:]).swapaxes(0, 1)
+    spec = PartitionSpec(None, parallel.BATCH_AXES, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, spec))
+
+
+def opt_state_shardings(optimizer: Optimizer, abstract_params_tree, param_shardings, mesh):
+    """Shard every params-shaped subtree of the optimizer state (mu, nu, ...) like the
+    params; everything else (counts, scalars) is replicated."""
+    abstract_state = jax.eval_shape(optimizer.tx.init, abstract_params_tree)
+    repl = parallel.replicated(mesh)
+    return optax.tree_utils.tree_map_params(
+        optimizer.tx, lambda _, sharding: sharding, abstract_state, param_shardings,
+        transform_non_params=lambda _: repl)
+
+
+def _where_tree(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+# ----------------------------------------------------------------------------- generic step
+
+class TrainStep:
+    """A jitted, sharded update `(state, batch[, frozen]) -> (state, metrics)`.
+
+    The state is donated: do not reuse the TrainState passed in. `frozen` is a
+    non-differentiated pytree passed to `loss_fn` (the GRPO reference params), sharded
+    like the params; None when the loss needs none.
+    """
+
+    def __init__(self, loss_fn: LossFn, optimizer: Optimizer, mesh, param_shardings, *, microbatches: int = 1,
+                 prepare_fn: Callable[[dict], dict] | None = None,
+                 finalize_fn: Callable[[jax.Array, dict], dict] | None = None,
+                 frozen_shardings=None, requires_frozen: bool = False, donate: bool = True):
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+        self.loss_fn, self.optimizer, self.mesh = loss_fn, optimizer, mesh
+        self.param_shardings = param_shardings
+        self.microbatches = microbatches
+        self.prepare_fn = prepare_fn or (lambda batch: batch)
+        self.finalize_fn = finalize_fn or (lambda denom, sums: dict(sums))
+        self.frozen_shardings = frozen_shardings
+        self.requires_frozen = requires_frozen
+        self.donate = donate
+        self._jitted: dict = {}
+        self._init_jit = None
+        self._state_sh: dict = {}
+
+    # -- state -----------------------------------------------------------------------
+    def state_shardings(self, abstract_params_tree) -> TrainState:
+        # Cached: deriving the optimizer-state shardings traces tx.init, too slow per step.
+        key = jax.tree.structure(abstract_params_tree), tuple(
+            (x.shape, jnp.dtype(x.dtype)) for x in jax.tree.leaves(abstract_params_tree))
+        if key not in self._state_sh:
+            repl = parallel.replicated(self.mesh)
+            opt = opt_state_shardings(self.optimizer, abstract_params_tree, self.param_shardings, self.mesh)
+            self._state_sh[key] = TrainState(repl, self.param_shardings, opt, repl)
+        return self._state_sh[key]
+
+    def init_state(self, params) -> TrainState:
+        """Place a *copy* of params by the rules and build the optimizer state already sharded.
+
+        The copy matters: the state is donated at every step, and the caller's tree is
+        typically also the GRPO reference policy, which must outlive the first update.
+        """
+        params = jax.device_put(params, self.param_shardings)
+        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        sh = self.state_shardings(shapes)
+        if self._init_jit is None:
+            init = lambda p: (jax.tree.map(jnp.copy, p), self.optimizer.tx.init(p))
+            self._init_jit = jax.jit(init, out_shardings=(sh.params, sh.opt_state))
+        params, opt_state = self._init_jit(params)
+        zero = jax.device_put(jnp.zeros((), jnp.int32), sh.step)
+        return TrainState(zero, params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), sh.skipped))
+
+    def abstract_state(self, abstract_params_tree) -> TrainState:
+        """ShapeDtypeStructs carrying the shardings: for ahead-of-time lowering (nothing allocated)."""
+        sh = self.state_shardings(abstract_params_tree)
+        opt = jax.eval_shape(self.optimizer.tx.init, abstract_params_tree)
+        state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params_tree, opt,
+                           jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
+
+    def batch_shardings(self, batch) -> dict:
+        return jax.tree.map(lambda x: parallel.batch_sharding(self.mesh, len(x.shape)), batch)
+
+    # -- the update --------------------------------------------------------------------
+    def _check_batch(self, batch) -> None:
+        sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+        if len(sizes) != 1:
+            raise ValueError(f"every batch array needs the same leading (batch) size, got {sorted(sizes)}")
+        (b,) = sizes
+        k, div = self.microbatches, parallel.batch_divisor(self.mesh)
+        if b % k or (b // k) % div:
+            raise ValueError(f"batch size {b} must split into {k} microbatches whose size is a multiple of "
+                             f"data*fsdp = {div} (the devices a batch is split over)")
+
+    def _update(self, state: TrainState, batch: dict, frozen):
+        batch = self.prepare_fn(batch)
+        params, k = state.params, self.microbatches
+        grad_fn = jax.value_and_grad(lambda p, mb: self._loss_parts(p, frozen, mb), has_aux=True)
+        if k == 1:
+            (loss_sum, (denom, sums)), grads = grad_fn(params, batch)
+        else:
+            micro = jax.tree.map(lambda x: _split_microbatches(x, k, self.mesh), batch)
+            constrain = lambda g: jax.lax.with_sharding_constraint(g, self.param_shardings)
+
+            def body(carry, mb):
+                g_acc, l_acc, d_acc, s_acc = carry
+                (l, (d, s)), g = grad_fn(params, mb)
+                # float32 accumulation whatever the param dtype; sharded like the params.
+                g_acc = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g))
+                return (g_acc, l_acc + l, d_acc + d, jax.tree.map(jnp.add, s_acc, s)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            _, (d0, s0) = jax.eval_shape(lambda p, mb: self._loss_parts(p, frozen, mb), params, first)
+            zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), t)
+            init = (constrain(zeros(params)), jnp.zeros((), jnp.float32), jnp.zeros(d0.shape, jnp.float32), zeros(s0))
+            (grads, loss_sum, denom, sums), _ = jax.lax.scan(body, init, micro)
+
+        norm = jnp.maximum(denom, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / norm).astype(p.dtype), grads, params)
+        loss = loss_sum / norm
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        updates, new_opt = self.optimizer.tx.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        skipped = (~finite).astype(jnp.int32)
+        applied = state.step - state.skipped  # optax's count: the lr this update used
+        new_state = TrainState(state.step + 1, _where_tree(finite, new_params, params),
+                               _where_tree(finite, new_opt, state.opt_state), state.skipped + skipped)
+        metrics = dict(self.finalize_fn(denom, sums))
+        metrics.update(loss=loss, grad_norm=grad_norm, skipped=skipped.astype(jnp.float32),
+                       skipped_total=new_state.skipped.astype(jnp.float32),
+                       lr=jnp.asarray(self.optimizer.schedule(applied), jnp.float32),
+                       step=new_state.step.astype(jnp.float32))
+        return new_state, {k_: jnp.asarray(v, jnp.float32) for k_, v in metrics.items()}
+
+    def _loss_parts(self, params, frozen, mb):
+        loss_sum, denom, sums = self.loss_fn(params, frozen, mb)
+        return loss_sum, (jnp.asarray(denom, jnp.float32), sums)
+
+    def _get_jitted(self, state_sh, batch, with_frozen: bool):
+        key = (jax.tree.structure(batch), tuple(len(x.shape) for x in jax.tree.leaves(batch)), with_frozen)
+        if key not in self._jitted:
+            in_sh = (state_sh, self.batch_shardings(batch))
+            fn = self._update
+            if with_frozen:
+                in_sh = in_sh + (self.frozen_shardings,)
+            else:
+                fn = lambda state, batch: self._update(state, batch, None)
+            self._jitted[key] = jax.jit(fn, in_shardings=in_sh,
+                                        out_shardings=(state_sh, parallel.replicated(self.mesh)),
+                                        donate_argnums=(0,) if self.donate else ())
+        return self._jitted[key]
+
+    def _args(self, state, batch, frozen):
+        self._check_batch(batch)
+        if frozen is None and self.requires_frozen:
+            raise ValueError("this step needs its frozen params (the GRPO reference policy when kl_coef > 0): "
+                             "call step(state, batch, ref_params)")
+        if frozen is not None and self.frozen_shardings is None:
+            raise ValueError("this step takes no frozen params (with kl_coef == 0 the reference is not used)")
+        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), state.params)
+        fn = self._get_jitted(self.state_shardings(shapes), batch, frozen is not None)
+        return fn, (state, batch) if frozen is None else (state, batch, frozen)
+
+    def __call__(self, state: TrainState, batch: dict, frozen=None):
+        fn, args = self._args(state, batch, frozen)
+        with parallel.activation_rules(self.mesh):
+            return fn(*args)
+
+    def lower(self, state, batch, frozen=None):
+        """Lower from (abstract or concrete) arguments; `.compile()` it for AOT analysis."""
+        fn, args = self._args(state, batch, frozen)
+        with parallel.activation_rules(self.mesh):
+            return fn.lower(*args)
+
+
+def make_train_step(loss_fn: LossFn, optimizer: Optimizer, mesh, param_shardings, **kwargs) -> TrainStep:
+    return TrainStep(loss_fn, optimizer, mesh, param_shardings, **kwargs)
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions:
+    """The loss settings of `muajax.config.GRPOConfig`, defaults as MUA-RL ran them."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    kl_coef: float = 0.001
+    kl_estimator: str = "k3"
+    agg: str = "token-mean"
+    ratio_level: str = "token"
+    advantage_scale: str = "std"
+    advantage_eps: float = 1e-6
+    temperature: float = 1.0
+    num_groups: int | None = None  # static bound on group ids; None = the batch size
+    logits_chunk: int | None = None
+    shared_prefix: int = 0  # tokens every row starts with (the system prompt): computed once
+
+    @classmethod
+    def from_config(cls, grpo_cfg, *, temperature: float = 1.0, **overrides) -> "GRPOOptions":
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {n: getattr(grpo_cfg, n) for n in names if hasattr(grpo_cfg, n)}
+        return cls(**{**values, "temperature": temperature, **overrides})
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0
+
+
+def grpo_loss_fn(cfg: Qwen3Config, opts: GRPOOptions) -> LossFn:
+    """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0."""
+
+    def loss_fn(params, ref_params, mb):
+        tokens = mb["tokens"]
+        targets = shift_left(tokens)
+        mask = shift_left(mb["loss_mask"]).astype(jnp.float32)
+        old = shift_left(mb["old_logprobs"].astype(jnp.float32))
+        logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=opts.temperature,
+                                      logits_chunk=opts.logits_chunk, shared_prefix=opts.shared_prefix)
+        ref_logp = None
+        if opts.uses_reference:
+            ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=opts.temperature,
+                                            logits_chunk=opts.logits_chunk, shared_prefix=opts.shared_prefix)
+            ref_logp = jax.lax.stop_gradient(ref_logp)
+        loss_sum, denom, sums = policy_loss_terms(
+            logp, old, ref_logp, mb["advantages"], mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
+            dual_clip=opts.dual_clip, kl_coef=opts.kl_coef, kl_estimator=opts.kl_estimator, agg=opts.agg,
+            ratio_level=opts.ratio_level)
+        sums = dict(sums, entropy_sum=jax.lax.stop_gradient(jnp.where(mask > 0, ent, 0.0).sum()))
+        return loss_sum, denom, sums
+
+    return loss_fn
+
+
+def grpo_prepare_fn(opts: GRPOOptions) -> Callable[[dict], dict]:
+    def prepare(batch):
+        for key in ("tokens", "loss_mask", "old_logprobs"):
+            if key not in batch:
+                raise KeyError(f"GRPO batch needs {key!r}; got keys {sorted(batch)}")
+        batch = dict(batch)
+        if "advantages" not in batch:
+            if "rewards" not in batch or "group_ids" not in batch:
+                raise KeyError("GRPO batch needs 'advantages' or both 'rewards' and 'group_ids'")
+            num_groups = opts.num_groups or batch["rewards"].shape[0]
+            batch["advantages"] = group_advantages(batch.pop("rewards"), batch.pop("group_ids"), num_groups,
+                                                   scale=opts.advantage_scale, eps=opts.advantage_eps)
+        else:
+            batch.pop("rewards", None)
+            batch.pop("group_ids", None)
+        return batch
+
+    return prepare
+
+
+def grpo_finalize(denom, sums) -> dict:
+    metrics = finalize_policy_metrics(denom, sums)
+    metrics["entropy"] = sums["entropy_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
+    return metrics
+
+
+def make_grpo_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, options: GRPOOptions = GRPOOptions(),
+                   microbatches: int = 1, donate: bool = True) -> TrainStep:
+    """The GRPO update. Call as `step(state, batch, ref_params)`; without KL (kl_coef == 0)
+    as `step(state, batch)` — the reference model is then neither passed nor run."""
+    shardings = parallel.param_shardings(cfg, mesh)
+    step = TrainStep(grpo_loss_fn(cfg, options), optimizer, mesh, shardings, microbatches=microbatches,
+                     prepare_fn=grpo_prepare_fn(options), finalize_fn=grpo_finalize,
+                     frozen_shardings=shardings if options.uses_reference else None,
+                     requires_frozen=options.uses_reference, donate=donate)
+    step.model_cfg, step.options = cfg, options
+    return step
+
+
+def model_abstract_params(cfg: Qwen3Config):
+    return nn.meta.unbox(abstract_params(cfg))
