@@ -153,7 +153,8 @@ TINY_RUN = [
     "run.stages=[grpo]", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
     " num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
     "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
-    "rollout.max_context=1536", "grpo.steps=4", "grpo.learning_rate=1e-3", "checkpoint.every_steps=1",
+    "rollout.max_context=1536", "grpo.steps=4", "grpo.learning_rate=1e-3", "grpo.microbatch_size=null",
+    "checkpoint.every_steps=1",
     "checkpoint.keep=2", "eval.max_tasks=2", "metrics.progress_bar=false", "metrics.tensorboard=false",
 ]
 

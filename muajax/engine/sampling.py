@@ -45,6 +45,9 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     needs_filter = jnp.any(((top_k > 0) | (top_p < 1.0)) & ~greedy)
     # The sort behind top-k/top-p costs V log V per row: skip it when no row asks for it.
     filtered = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, filtered)
+    # A draw costs one random number per vocabulary entry and row, most of a decode step for
+    # a small model: skip it when every row is greedy (the draws would be discarded).
+    drawn = jax.lax.cond(jnp.all(greedy), lambda k, f: jnp.zeros(f.shape[:1], jnp.int32),
+                         lambda k, f: jax.vmap(jax.random.categorical)(k, f).astype(jnp.int32), keys, filtered)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

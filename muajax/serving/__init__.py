@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server behind `python -m muajax.serve` (see `muajax.serve`)."""
