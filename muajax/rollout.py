@@ -391,9 +391,9 @@ def _close(session: EnvSession | None) -> None:
 
 class _Driver:
     def __init__(self, engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task],
-                 options: RolloutOptions, seed: int):
+                 options: RolloutOptions, seed: int, first_task_index: int = 0):
         self.engine, self.tok, self.env, self.user = engine, tokenizer, env, user
-        self.tasks, self.opts, self.seed = list(tasks), options, seed
+        self.tasks, self.opts, self.seed, self.first_task_index = list(tasks), options, seed, first_task_index
         self.max_context = options.max_context or engine.max_len
         if self.max_context > engine.max_len:
             raise ValueError(f"max_context={self.max_context} exceeds the engine's max_len={engine.max_len}")
@@ -415,6 +415,7 @@ class _Driver:
 
     def _new_conversation(self, ti: int, ri: int) -> Conversation | None:
         task, session = self.tasks[ti], None
+        ti += self.first_task_index  # the global task index: seeds and group ids match a one-process run
         seed = rollout_seed(self.seed, ti, ri)
         try:
             session = self.env.reset(task)
@@ -565,16 +566,19 @@ class _Driver:
 
 
 async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task], *,
-                       options: RolloutOptions | None = None, seed: int = 0, **overrides) -> RolloutBatch:
+                       options: RolloutOptions | None = None, seed: int = 0, first_task_index: int = 0,
+                       **overrides) -> RolloutBatch:
     """Roll out every task `n` times; returns the trajectories ordered by (task, rollout).
 
     `overrides` are `RolloutOptions` fields (e.g. `n=4, max_turns=10`) applied on top of
     `options`. All slots this call opens are released when it returns or raises.
+    `tasks` may be one process's share of a step that starts at task `first_task_index`: seeds
+    and group ids are then those the whole step gives them (`muajax.distributed`).
     """
     options = dataclasses.replace(options or RolloutOptions(), **overrides)
     if not tasks:
         return RolloutBatch([], {"wall_s": 0.0, "device_s": 0.0, "busy_share": 0.0, "conversations": 0})
-    return await _Driver(engine, tokenizer, env, user, tasks, options, seed).run()
+    return await _Driver(engine, tokenizer, env, user, tasks, options, seed, first_task_index).run()
 
 
 _thread_loops = threading.local()

@@ -18,15 +18,32 @@ from muajax.models.vocab import DomainTokenizer, DomainVocab
 
 
 def maybe_initialize_distributed() -> None:
-    """Join a multi-process run when the launcher says so (TPU pods set this up themselves;
-    elsewhere MUAJAX_COORDINATOR, MUAJAX_NUM_PROCESSES and MUAJAX_PROCESS_ID)."""
+    """Join a multi-process run when the launcher says so (see tpu/README.md, gpu/README.md):
+
+    - MUAJAX_COORDINATOR=host:port, MUAJAX_NUM_PROCESSES, MUAJAX_PROCESS_ID: any cluster;
+      MUAJAX_LOCAL_DEVICE_IDS=0,1,... restricts a process to those accelerators (one
+      process per GPU);
+    - MUAJAX_DISTRIBUTED=auto: jax detects the cluster itself (Cloud TPU VM slices through
+      the metadata server, SLURM, Open MPI); GKE's TPU variables do the same.
+    On TPU pods this is optional for the computation but orbax's multi-host checkpointing
+    needs the coordination service it starts.
+    """
     if os.environ.get("MUAJAX_COORDINATOR"):
+        missing = [v for v in ("MUAJAX_NUM_PROCESSES", "MUAJAX_PROCESS_ID") if not os.environ.get(v)]
+        if missing:
+            raise SystemExit(f"MUAJAX_COORDINATOR is set but {' and '.join(missing)} is not")
+        ids = os.environ.get("MUAJAX_LOCAL_DEVICE_IDS")
         jax.distributed.initialize(
             coordinator_address=os.environ["MUAJAX_COORDINATOR"],
             num_processes=int(os.environ["MUAJAX_NUM_PROCESSES"]),
             process_id=int(os.environ["MUAJAX_PROCESS_ID"]),
+            local_device_ids=[int(i) for i in ids.split(",")] if ids else None,
+            # explicit settings win: under SLURM, detection would otherwise narrow each
+            # process to the one GPU numbered by its SLURM_LOCALID
+            cluster_detection_method="deactivate",
         )
-    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+    elif (os.environ.get("MUAJAX_DISTRIBUTED") == "auto" or os.environ.get("TPU_WORKER_HOSTNAMES")
+          or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS")):
         jax.distributed.initialize()
 
 

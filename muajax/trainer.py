@@ -328,8 +328,12 @@ class Trainer:
 
 def params_fingerprint(params) -> str:
     """sha256 over every parameter's bytes, in tree order: equal iff the params are bitwise equal."""
+    from jax.experimental import multihost_utils
+
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(params):
+        if not leaf.is_fully_addressable:  # split across hosts: every process gathers the whole leaf
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
         digest.update(np.asarray(jax.device_get(leaf)).tobytes())
     return digest.hexdigest()
 
