@@ -1,0 +1,257 @@
+"""`python -m muajax.bench generate`: batched greedy generation, muajax's Engine against
+transformers' `generate`, on the same random Qwen3 weights, in one process.
+
+Both sides get the same prompts (batch x prompt tokens, no padding) and must produce
+exactly `new` tokens (no stop token; transformers also gets min_new_tokens=max_new_tokens).
+
+How the time is split into prefill and decode:
+- transformers: a LogitsProcessor stamps the clock each time it is called. Call i comes
+  right after the forward that produced token i (torch on CPU is synchronous), so
+  call 0 closes the prefill (the prompt forward, which yields token 0) and the span from
+  call 0 to the last call is `new - 1` single-token decode forwards.
+- muajax: the engine keeps a prompt's last token for the decode loop, so the prefill is
+  `open` + `flush(keep_last=True)` (the first `prompt - 1` tokens) and decode is
+  `generate`: `new` single-token forwards, host round trips between chunks included.
+Decode tokens/s is therefore (single-token forward steps x batch) / decode seconds on
+each side; end-to-end tokens/s is batch x new / total seconds.
+
+The reference is transformers with torch.set_num_threads(os.cpu_count()). On a machine
+shared with other jobs torch's threads can stall each other (2 threads on 2 busy cores
+measured 10-25x slower than 1 thread), which would flatter muajax, so transformers is
+also timed with `--alt-threads` threads and the `*_vs_best_torch` ratios use the faster.
+
+Runs alternate which side goes first each round (shared machine: drift hits all sides);
+figures are medians. Compilation is excluded from muajax's timed runs: the first (cold)
+run is timed separately and `compile_s` is its excess over the warm median.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from muajax.bench import common
+
+# The forward benchmark's architecture (vocab shrunk from Qwen3's 151936 to keep it CPU-sized).
+ARCH = {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
+QUICK_ARCH = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+SHARED_ARCH = {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+               "tie_word_embeddings": False}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m muajax.bench generate", description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    p.add_argument("--new", type=int, default=128, help="tokens generated per row")
+    p.add_argument("--decode-chunk", type=int, default=32, help="Engine(decode_chunk=...)")
+    p.add_argument("--repeat", type=int, default=3, help="timed rounds per side")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="torch threads of the reference transformers run (default: all cores)")
+    p.add_argument("--alt-threads", type=int, default=1,
+                   help="also time transformers with this many torch threads (0: don't). On a loaded "
+                        "machine torch's all-core run can be many times slower than a 1-thread one, "
+                        "which would flatter the ratio; the *_vs_best_torch figures use the faster one")
+    p.add_argument("--no-hf", action="store_true", help="time muajax only (profiling)")
+    p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.prompt, args.new, args.repeat = 2, 12, 8, 1
+        args.decode_chunk = min(args.decode_chunk, 4)
+    if min(args.batch, args.prompt, args.new, args.repeat, args.decode_chunk) < 1:
+        raise common.BenchError("--batch, --prompt, --new, --repeat and --decode-chunk must be >= 1")
+    if args.prompt < 2 or args.new < 2:
+        raise common.BenchError("--prompt and --new must be >= 2: the engine splits off the last prompt token, "
+                                "transformers' decode span runs from the first new token to the last")
+    return args
+
+
+def setup_threads(n: int | None = None) -> None:
+    """torch intra-op threads; default every core, the brief's reference setup."""
+    import torch
+
+    torch.set_num_threads(n or os.cpu_count() or 1)
+
+
+def build_models(quick: bool, seed: int, workdir: str):
+    """A random HF Qwen3ForCausalLM saved to `workdir`, and the same weights loaded by muajax.
+
+    Returns (hf_model, params, cfg)."""
+    import torch
+    import transformers
+
+    from muajax.models.hf import load_params
+
+    transformers.utils.logging.disable_progress_bar()
+    arch = {**(QUICK_ARCH if quick else ARCH), **SHARED_ARCH}
+    torch.manual_seed(seed)
+    hf_cfg = transformers.Qwen3Config(**arch, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # HF's norms start at exactly 1; random ones make the weights less special
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(workdir)
+    params, cfg = load_params(workdir)
+    common.block(params)
+    return model, params, cfg
+
+
+class _StepClock:
+    """A transformers LogitsProcessor that only records when each generation step's logits arrive."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def hf_generate_once(model, prompts: np.ndarray, new: int) -> tuple[dict, np.ndarray]:
+    import torch
+    from transformers import LogitsProcessorList
+
+    clock = _StepClock()
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                             min_new_tokens=new, logits_processor=LogitsProcessorList([clock]),
+                             eos_token_id=None, pad_token_id=0, use_cache=True)
+        end = time.perf_counter()
+    tokens = out[:, prompts.shape[1]:].numpy()
+    if tokens.shape[1] != new or len(clock.stamps) != new:
+        raise common.BenchError(f"transformers generated {tokens.shape[1]} tokens in {len(clock.stamps)} steps, "
+                                f"expected {new}")
+    b = prompts.shape[0]
+    return {"prefill_s": clock.stamps[0] - start, "decode_s": clock.stamps[-1] - clock.stamps[0],
+            "total_s": end - start, "decode_tokens": b * (new - 1), "tokens": b * new}, tokens
+
+
+def make_engine(params, cfg, batch: int, max_len: int, decode_chunk: int, **options):
+    from muajax.engine.engine import Engine
+
+    # no stop ids: every row runs to max_new_tokens, like min_new_tokens on the HF side
+    return Engine(params, cfg, num_slots=batch, max_len=max_len, stop_ids=(), decode_chunk=decode_chunk, **options)
+
+
+def muajax_generate_once(engine, prompts: np.ndarray, new: int) -> tuple[dict, np.ndarray]:
+    from muajax.engine.engine import SamplingParams
+
+    start = time.perf_counter()
+    slots = [engine.open(row.tolist()) for row in prompts]
+    engine.flush(slots, keep_last=True)
+    mid = time.perf_counter()
+    gens = engine.generate(slots, SamplingParams(temperature=0.0, max_new_tokens=new))
+    end = time.perf_counter()
+    for slot in slots:
+        engine.release(slot)
+    tokens = np.asarray([gens[s].tokens for s in slots])
+    if tokens.shape[1] != new:
+        raise common.BenchError(f"muajax generated {tokens.shape[1]} tokens, expected {new}")
+    b = prompts.shape[0]
+    return {"prefill_s": mid - start, "decode_s": end - mid, "total_s": end - start,
+            "decode_tokens": b * new, "tokens": b * new}, tokens
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean length of the agreeing prefix per row: a check that both sides ran the same model."""
+    lengths = []
+    for x, y in zip(a, b):
+        diff = np.nonzero(x != y)[0]
+        lengths.append(int(diff[0]) if diff.size else len(x))
+    return float(np.mean(lengths))
+
+
+def summarize(runs: list[dict], batch: int) -> dict:
+    med = {k: common.median([r[k] for r in runs]) for k in ("prefill_s", "decode_s", "total_s")}
+    steps = runs[0]["decode_tokens"] // batch
+    return {**{k: round(v, 4) for k, v in med.items()},
+            "decode_tok_s": common.ratio(runs[0]["decode_tokens"], med["decode_s"]),
+            "e2e_tok_s": common.ratio(runs[0]["tokens"], med["total_s"]),
+            "decode_ms_per_step": 1e3 * common.ratio(med["decode_s"], steps)}
+
+
+def _line(name: str, r: dict) -> str:
+    return (f"{name:<30} prefill {r['prefill_s']:7.3f}s  decode {r['decode_s']:8.3f}s "
+            f"({r['decode_ms_per_step']:8.2f} ms/step)  total {r['total_s']:8.3f}s  "
+            f"decode {r['decode_tok_s']:8.1f} tok/s  e2e {r['e2e_tok_s']:8.1f} tok/s")
+
+
+def run(argv: list[str]) -> dict:
+    args = parse(argv)
+    setup_threads(args.threads)
+    rng = np.random.RandomState(args.seed)
+    with tempfile.TemporaryDirectory(prefix="muajax-bench-generate-") as workdir:
+        hf_model, params, cfg = build_models(args.quick, args.seed, workdir)
+    prompts = rng.randint(0, cfg.vocab_size, size=(args.batch, args.prompt)).astype(np.int32)
+    engine = make_engine(params, cfg, args.batch, args.prompt + args.new, args.decode_chunk)
+    common.log(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+               f"{cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}; batch {args.batch}, prompt {args.prompt}, "
+               f"new {args.new}, decode_chunk {args.decode_chunk}")
+
+    cold, mj_tokens = muajax_generate_once(engine, prompts, args.new)
+    sides = {"muajax": lambda: muajax_generate_once(engine, prompts, args.new)}
+    threads = {}
+    if not args.no_hf:
+        threads["transformers"] = args.threads
+        if args.alt_threads and args.alt_threads != args.threads:
+            threads[f"transformers_{args.alt_threads}thread"] = args.alt_threads
+    for name, n in threads.items():
+        def hf_side(n=n):
+            setup_threads(n)
+            return hf_generate_once(hf_model, prompts, args.new)
+        sides[name] = hf_side
+    outputs = {}
+    for name, side in sides.items():  # warm-up: the first muajax call after compiling can still be slow
+        outputs[name] = side()[1]
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    order = list(sides)
+    for r in range(args.repeat):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            runs[name].append(sides[name]()[0])
+    setup_threads(args.threads)
+    figures = {name: summarize(rs, args.batch) for name, rs in runs.items()}
+    mj = figures["muajax"]
+    compile_s = max(cold["total_s"] - mj["total_s"], 0.0)
+    mj["compile_s"] = round(compile_s, 3)
+    result = {"config": {k: getattr(args, k) for k in ("batch", "prompt", "new", "decode_chunk", "repeat", "threads",
+                                                       "alt_threads", "quick")},
+              "muajax": mj}
+    common.log(_line("muajax", mj) + f"  (compile {compile_s:.2f}s, excluded)")
+    for name, n in threads.items():
+        figures[name]["torch_threads"] = n
+        result[name] = figures[name]
+        common.log(_line(f"{name} ({n} thr)", figures[name]))
+    if threads:
+        hf = figures["transformers"]
+        best = max((figures[n] for n in threads), key=lambda f: f["decode_tok_s"])
+        best_e2e = max(figures[n]["e2e_tok_s"] for n in threads)
+        result["decode_ratio"] = common.ratio(mj["decode_tok_s"], hf["decode_tok_s"])
+        result["e2e_ratio"] = common.ratio(mj["e2e_tok_s"], hf["e2e_tok_s"])
+        result["decode_ratio_vs_best_torch"] = common.ratio(mj["decode_tok_s"], best["decode_tok_s"])
+        result["e2e_ratio_vs_best_torch"] = common.ratio(mj["e2e_tok_s"], best_e2e)
+        result["greedy_agree_prefix"] = common_prefix(mj_tokens, outputs["transformers"])
+        common.log(f"muajax / transformers ({args.threads} thr, the reference): decode x{result['decode_ratio']:.2f}  "
+                   f"e2e x{result['e2e_ratio']:.2f}  (target decode >= x5)")
+        if len(threads) > 1:
+            common.log(f"muajax / fastest transformers ({best['torch_threads']} thr): "
+                       f"decode x{result['decode_ratio_vs_best_torch']:.2f}  e2e x{result['e2e_ratio_vs_best_torch']:.2f}")
+        common.log(f"greedy tokens agree with transformers for the first {result['greedy_agree_prefix']:.1f}/{args.new} "
+                   "on average (same weights)")
+    result["machine"] = common.machine_info()
+    return result
+
+
+if __name__ == "__main__":
+    from muajax.bench.__main__ import main
+
+    raise SystemExit(main(["generate", *sys.argv[1:]]))

@@ -1,0 +1,60 @@
+"""The engine benchmarks run end to end at tiny sizes and end with one valid JSON line.
+
+No timing is asserted: the figures depend on the machine and its load; only that each
+bench completes, reports every field the brief requires, and reports finite numbers.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(name: str, *args: str) -> tuple[dict, str]:
+    """Run `python -m muajax.bench name --quick args`; return the last line's JSON and all stdout."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "muajax.bench", name, "--quick", *args]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"no output; stderr:\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert isinstance(result, dict) and result["benchmark"] == name and "error" not in result
+    assert not any(line.lstrip().startswith("{") for line in lines[:-1]), "the JSON line must be the only one"
+    return result, proc.stdout
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_generate_quick():
+    result, stdout = run_bench("generate")
+    for side in ("muajax", "transformers"):
+        for key in ("decode_tok_s", "e2e_tok_s", "prefill_s", "decode_s", "total_s"):
+            assert positive(result[side][key]), (side, key, result[side])
+    assert result["muajax"]["compile_s"] >= 0
+    for key in ("decode_ratio", "e2e_ratio", "decode_ratio_vs_best_torch", "e2e_ratio_vs_best_torch"):
+        assert positive(result[key]), (key, result[key])
+    assert result["decode_ratio_vs_best_torch"] <= result["decode_ratio"] * (1 + 1e-9)  # best torch is never slower
+    assert math.isclose(result["decode_ratio"], result["muajax"]["decode_tok_s"] / result["transformers"]["decode_tok_s"],
+                        rel_tol=1e-6)
+    # same weights, greedy: both sides must pick the same first token (a wrong load would not)
+    assert result["greedy_agree_prefix"] >= 1
+    assert "transformers" in stdout and "muajax" in stdout  # the figures are printed beside the reference
+
+
+def test_multiturn_quick():
+    result, stdout = run_bench("multiturn")
+    turns = result["config"]["turns"]
+    for key in ("kept_per_turn_s", "reprefill_per_turn_s"):
+        assert len(result[key]) == turns and all(positive(x) for x in result[key]), result[key]
+    for key in ("per_turn_growth", "reprefill_growth", "speedup_vs_reprefill", "kept_total_s", "reprefill_total_s"):
+        assert positive(result[key]), (key, result[key])
+    assert math.isclose(result["per_turn_growth"], result["kept_per_turn_s"][-1] / result["kept_per_turn_s"][0],
+                        rel_tol=1e-9)
+    assert isinstance(result["same_conversation"], bool)
+    assert "re-prefill" in stdout
