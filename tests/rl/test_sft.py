@@ -1,0 +1,63 @@
+"""The SFT step: loss on assistant tokens only, the same sharded machinery as GRPO. The
+compiled runs happen in a subprocess with 8 fake CPU devices (tests/rl/step_checks.py sft)."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from muajax.rl import token_logprobs
+from muajax.rl.sft import sft_terms
+from tests.rl import subproc
+
+B, T, V = 4, 16, 96
+
+
+def test_masked_targets_do_not_enter_the_loss():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(B, T, V)).astype(np.float32))
+    targets = rng.integers(0, V, (B, T))
+    mask = (rng.random((B, T)) < 0.5).astype(np.int32)
+    changed = np.where(mask == 1, targets, (targets + 7) % V)
+    loss_a, n_a, _ = sft_terms(token_logprobs(logits, jnp.asarray(targets)), mask)
+    loss_b, n_b, _ = sft_terms(token_logprobs(logits, jnp.asarray(changed)), mask)
+    assert float(loss_a) == float(loss_b) and float(n_a) == float(n_b) == mask.sum()
+    # ...while changing an unmasked target does change it.
+    flip = targets.copy()
+    r, c = np.argwhere(mask == 1)[0]
+    flip[r, c] = (flip[r, c] + 1) % V
+    loss_c, _, _ = sft_terms(token_logprobs(logits, jnp.asarray(flip)), mask)
+    assert float(loss_c) != float(loss_a)
+    # A -inf logprob on a masked position (e.g. padding) gives neither inf nor nan.
+    logp = token_logprobs(logits, jnp.asarray(targets)).at[np.where(mask == 0)].set(-jnp.inf)
+    grad = jax.grad(lambda lp: sft_terms(lp, mask)[0])(logp)
+    assert np.isfinite(float(sft_terms(logp, mask)[0])) and np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_sft_step_is_the_masked_token_mean_nll():
+    r = subproc.scenario("sft", "sft")
+    m = r["metrics"]
+    assert abs(m["loss"] - r["want_loss"]) < 1e-6 and m["nll"] == m["loss"]
+    assert m["num_tokens"] == r["want_num_tokens"] and m["skipped"] == 0
+    assert 0 < m["entropy"] < 10
+
+
+def test_sft_tail_of_non_assistant_tokens_does_not_change_the_loss():
+    r = subproc.scenario("sft", "sft")
+    assert r["tail_loss"] == r["metrics"]["loss"]
+    assert r["hit_loss"] != r["metrics"]["loss"]  # while an assistant token does
+
+
+def test_sft_sharded_microbatched_step_matches_one_device():
+    r = subproc.scenario("sft", "sft")["sharded_microbatched"]
+    assert r["loss_diff"] < 1e-6 and r["grad_norm_diff"] < 1e-6 and r["mu_diff"] < 1e-8
+    assert r["param_delta"] > 1e-3  # lr 1e-2: the step really moved the weights
+
+
+def test_sft_steps_learn_the_assistant_tokens():
+    r = subproc.scenario("sft", "sft")
+    losses = r["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, losses
+    assert r["final_step"] == 4
