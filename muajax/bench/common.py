@@ -126,3 +126,30 @@ def emit_json(d: Mapping[str, Any]) -> str:
 def log(msg: str) -> None:
     """Human-readable progress, on stdout before the JSON line."""
     print(msg, flush=True)
+
+
+def fill_size_args(args, full: dict, quick: dict):
+    """Fill the model-size options left unset from the full or quick preset, then check them."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+        if getattr(args, key) < 1:
+            raise BenchError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.heads % args.kv_heads:
+        raise BenchError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    return args
+
+
+def build_hf_qwen3(args):
+    """A random `Qwen3ForCausalLM` of the size in `args` (the reference side of a bench)."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    config = transformers.Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, max_position_embeddings=max(args.seq, 512), rope_theta=1_000_000.0,
+        tie_word_embeddings=False, attn_implementation=args.attn)
+    torch.manual_seed(args.seed)
+    return transformers.Qwen3ForCausalLM(config)

@@ -19,7 +19,7 @@ import resource
 import tempfile
 import time
 
-from muajax.bench.common import BenchError, block, log, machine_info, median, ratio
+from muajax.bench.common import (BenchError, block, build_hf_qwen3, fill_size_args, log, machine_info, median, ratio)
 
 FULL = dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=32000,
             batch=8, seq=512, repeat=5)
@@ -41,29 +41,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--peak-size", type=int, default=2048, help="matrix size of the peak-FLOPs matmul")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    base = QUICK if args.quick else FULL
-    for key, value in base.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-        if getattr(args, key) < 1:
-            raise BenchError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if args.heads % args.kv_heads:
-        raise BenchError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    return args
+    return fill_size_args(args, FULL, QUICK)
 
 
 def build_hf(args):
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    config = transformers.Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, max_position_embeddings=max(args.seq, 512), rope_theta=1_000_000.0,
-        tie_word_embeddings=False, attn_implementation=args.attn)
-    torch.manual_seed(args.seed)
-    return transformers.Qwen3ForCausalLM(config).train()
+    return build_hf_qwen3(args).train()
 
 
 def _cpu_seconds() -> float:
