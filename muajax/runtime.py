@@ -96,22 +96,28 @@ def make_user(cfg: TrainConfig, env: Environment):
     return OpenAIUserSimulator(**kwargs)
 
 
-def domain_texts(env: Environment) -> list[str]:
-    """Every text the domain can put in a conversation: policy, tool schemas, and the
-    scripted expert's conversations on all tasks (a vocabulary, not outcomes)."""
-    from muajax.chat import system_prompt_text
+def domain_ids(env: Environment, tokenizer) -> set[int]:
+    """Every Qwen3 id the domain can put in a conversation, taken from the token streams
+    exactly as rendered (system turn, tool-call blocks, tool responses, chat markers) of
+    the scripted expert's careful and careless conversations on all tasks — a vocabulary,
+    not outcomes. Encoding bare message texts instead misses the ids BPE forms across the
+    format's seams (`"}}\n`, ` "#`), which would then map to UNK in every tool call."""
+    from muajax.chat import format_tool_error, render_messages_ids, system_prompt_ids
     from muajax.envs.builtin.expert import expert_conversation
 
-    texts = []
+    ids: set[int] = set(tokenizer.encode(format_tool_error("tool call is not valid JSON"), add_special_tokens=False))
     for split in ("train", "test"):
         for task in env.tasks(split):
             session = env.reset(task)
-            texts.append(system_prompt_text(env.policy(), session.tools()))
+            try:
+                system, tools = env.policy_for(task), session.tools()
+            finally:
+                session.close()
+            ids.update(system_prompt_ids(tokenizer, system, tools))
             for careless in (0.0, 1.0):
                 messages, _ = expert_conversation(env, task, careless=careless, seed=0)
-                texts.extend(json.dumps(m, ensure_ascii=False) for m in messages)
-                texts.extend(str(m.get("content") or "") for m in messages)
-    return texts
+                ids.update(render_messages_ids(tokenizer, system, tools, messages)[0])
+    return ids
 
 
 def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokenizer=None):
@@ -139,7 +145,7 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
         if os.path.isfile(path):
             vocab = DomainVocab.load(path)
         else:
-            vocab = DomainVocab.from_texts(tokenizer, domain_texts(env))
+            vocab = DomainVocab.from_texts(tokenizer, (), extra_ids=domain_ids(env, tokenizer))
             if jax.process_index() == 0:
                 os.makedirs(run_dir, exist_ok=True)
                 vocab.save(path)
