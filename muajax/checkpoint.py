@@ -16,12 +16,22 @@ cannot be read, or whose fingerprints disagree, is skipped with a warning, and o
 older one restores, the bad newer ones are moved to `<dir>/corrupt/` (never deleted) so
 the run can save those step numbers again. A mismatch between the caller's abstract state
 and what was saved is a caller error and raises instead of falling back.
+
+The directory is an `etils.epath.Path`, orbax's own path type: a local path is made
+absolute, and a URL (`gs://`, `s3://`, ...) stays a URL, so every host of a multi-host run
+writes its shards to the same bucket rather than to a local `gs:/...` folder. All
+directory handling here (listing, the interrupted-save check, quarantine) goes through
+epath too, so it works on either. On `gs://` orbax does not rename a temporary directory
+(GCS has no atomic rename); it writes `<step>/` in place and marks it finished with a
+`commit_success.txt` written last.
 """
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import time
+import urllib.parse
+import urllib.request
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -30,12 +40,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 __all__ = ["Checkpointer", "Restored", "CheckpointError", "NoValidCheckpointError",
-           "rng_to_json", "rng_from_json"]
+           "checkpoint_path", "rng_to_json", "rng_from_json"]
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
+# orbax's marker of a finished step where it cannot rename atomically (gs://).
+_COMMIT_FILE = "commit_success.txt"
+_COMMIT_FILE_PREFIXES = ("gs://",)
 _FORMAT = 1
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class CheckpointError(RuntimeError):
@@ -175,6 +190,38 @@ def _abstract_leaf(x: Any) -> Any:
     return x
 
 
+def checkpoint_path(directory: str | os.PathLike) -> epath.Path:
+    """The checkpoint directory as an epath.Path: URLs kept as they are, local paths absolute.
+
+    `file://` URLs become local paths (epath has no `file://` backend); a scheme epath
+    cannot open is refused here rather than when the first save fails.
+    """
+    if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"checkpoint directory must be a str or path, got {type(directory).__name__}")
+    text = os.fspath(directory)  # an epath URL path gives back its URL
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"checkpoint directory must be a non-empty path, got {directory!r}")
+    match = _URL.match(text)
+    if match and match.group(1).lower() == "file":
+        url = urllib.parse.urlparse(text)
+        if url.netloc not in ("", "localhost"):
+            raise ValueError(f"checkpoint directory {text!r}: a file:// URL must name a local path "
+                             f"(file:///abs/path), not host '{url.netloc}'")
+        text, match = urllib.request.url2pathname(url.path), None
+    if match:
+        try:
+            return epath.Path(text)
+        except KeyError:  # epath's registry of URL prefixes has no entry for this one
+            raise ValueError(f"checkpoint directory {text!r}: etils.epath has no filesystem for "
+                             f"'{match.group(1)}://' (it knows gs://, s3://, az://, hf://)") from None
+    # Absolute: orbax and tensorstore must not depend on the working directory later on.
+    return epath.Path(os.path.abspath(text))
+
+
+def _uses_commit_file(directory: epath.Path) -> bool:
+    return str(directory).startswith(_COMMIT_FILE_PREFIXES)
+
+
 def _first_line(e: BaseException, limit: int = 300) -> str:
     text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -194,7 +241,7 @@ class Checkpointer:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         if not isinstance(every_steps, int) or every_steps < 1:
             raise ValueError(f"every_steps must be an int >= 1, got {every_steps!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory: epath.Path = checkpoint_path(directory)
         self.keep, self.every_steps = keep, every_steps
         self._warn_interrupted_saves()
         policies = ocp.checkpoint_managers
@@ -213,9 +260,15 @@ class Checkpointer:
     # -------------------------------------------------------------- saving
 
     def _warn_interrupted_saves(self) -> None:
-        if not os.path.isdir(self.directory):
+        if not self.directory.is_dir():
             return
-        leftovers = sorted(n for n in os.listdir(self.directory) if _TMP_MARK in n)
+        children = list(self.directory.iterdir())
+        leftovers = [p.name for p in children if _TMP_MARK in p.name]
+        if _uses_commit_file(self.directory):
+            # No rename there: an interrupted step is a numbered directory without the marker.
+            leftovers += [p.name for p in children
+                          if p.name.isdigit() and p.is_dir() and not (p / _COMMIT_FILE).exists()]
+        leftovers.sort()
         if leftovers:
             warnings.warn(
                 f"{self.directory}: ignoring unfinalized checkpoint director{'ies' if len(leftovers) > 1 else 'y'} "
@@ -308,8 +361,8 @@ class Checkpointer:
         listing = "; ".join(f"step {s}: {why}" for s, why in problems)
         raise NoValidCheckpointError(f"{self.directory}: no valid checkpoint left ({listing})")
 
-    def _step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+    def _step_dir(self, step: int) -> epath.Path:
+        return self.directory / str(step)
 
     def _restore_verified(self, step: int, abstract_state: Any) -> Restored:
         try:
@@ -356,13 +409,15 @@ class Checkpointer:
         # Orbax refuses to save a step at or below the latest one on disk, so bad newer
         # steps must leave the directory; moving keeps them for a post-mortem.
         if jax.process_index() == 0:
-            target = os.path.join(self.directory, "corrupt")
-            os.makedirs(target, exist_ok=True)
+            target = self.directory / "corrupt"
+            target.mkdir(parents=True, exist_ok=True)
             for step in steps:
                 src = self._step_dir(step)
-                if os.path.isdir(src):
-                    dst = os.path.join(target, f"{step}.{time.strftime('%Y%m%d-%H%M%S')}.{time.time_ns() % 10**9}")
-                    shutil.move(src, dst)
+                if src.is_dir():
+                    dst = target / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}.{time.time_ns() % 10**9}"
+                    # Locally a rename within the directory (one filesystem, atomic); on a
+                    # bucket, fsspec copies the objects and deletes the originals.
+                    src.rename(dst)
                     warnings.warn(f"moved unusable checkpoint {src} to {dst}", RuntimeWarning, stacklevel=3)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils

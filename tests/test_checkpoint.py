@@ -257,3 +257,119 @@ def test_restore_onto_different_sharding(tmp_path):
     proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE, str(tmp_path / "ck")], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and "RESHARD_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ directories as epath paths
+
+def test_local_directory_given_as_string_epath_or_file_url(tmp_path, monkeypatch):
+    """A relative string, an epath.Path and a file:// URL all name the same local directory."""
+    from etils import epath
+
+    monkeypatch.chdir(tmp_path)
+    save_steps("rel/ck", [1, 2])  # relative: resolved against the working directory once
+    want = epath.Path(tmp_path / "rel" / "ck")
+    for given in ("rel/ck", epath.Path(tmp_path / "rel" / "ck"), f"file://{tmp_path}/rel/ck"):
+        ck = Checkpointer(given)
+        assert isinstance(ck.directory, epath.Path) and ck.directory == want, given
+        assert ck.steps() == [1, 2]
+        got = ck.restore_latest(abstract_of(make_state()))
+        assert got.step == 2 and got.data_position == {"index": 20}
+        assert_bit_equal(got.state, make_state(2.0))
+        ck.close()
+    monkeypatch.chdir("/")  # later saves still go where the path pointed when it was given
+    ck = Checkpointer(want, keep=3)
+    assert ck.save(3, make_state(3.0)) and ck.steps() == [1, 2, 3]
+    ck.close()
+    assert sorted(os.listdir(tmp_path / "rel" / "ck")) == ["1", "2", "3"]
+
+
+def test_checkpoint_path_keeps_urls_and_rejects_bad_input(tmp_path):
+    from etils import epath
+
+    from muajax.checkpoint import checkpoint_path
+
+    for url in ("gs://bucket/run/checkpoints", "s3://bucket/ck", "az://container/ck"):
+        p = checkpoint_path(url)
+        assert isinstance(p, epath.Path) and str(p) == url and os.fspath(p) == url
+        assert str(p / "7") == url + "/7"
+    assert str(checkpoint_path(epath.Path("gs://b/x"))) == "gs://b/x"  # an epath URL stays one too
+    assert str(checkpoint_path(f"file://{tmp_path}/ck")) == f"{tmp_path}/ck"
+    with pytest.raises(ValueError, match=r"no filesystem for 'ftp://'"):
+        checkpoint_path("ftp://host/ck")
+    with pytest.raises(ValueError, match=r"file:// URL must name a local path"):
+        checkpoint_path("file://otherhost/ck")
+    with pytest.raises(ValueError, match="non-empty"):
+        checkpoint_path("")
+    with pytest.raises(TypeError, match="str or path"):
+        checkpoint_path(3)
+
+
+@pytest.fixture
+def fake_bucket(monkeypatch):
+    """gs:// served from memory: epath's fsspec backend gets an in-memory filesystem.
+
+    No network here, so nothing can reach GCS. orbax's own GCS calls (google-cloud-storage,
+    tensorstore's driver) are not exercised; the Checkpointer's manager is replaced with
+    a recorder, and what is tested is the Checkpointer's own directory handling on a URL.
+    """
+    from etils.epath import backend
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FakeGCS(MemoryFileSystem):
+        protocol = ("gs", "gcs")
+        store: dict = {}  # its own store, not MemoryFileSystem's process-wide one
+        pseudo_dirs = [""]
+
+    fs = FakeGCS(skip_instance_cache=True)
+    monkeypatch.setattr(backend.fsspec_backend, "fs", lambda path: fs)
+
+    class RecordingManager:
+        made = []
+
+        def __init__(self, directory, options=None, item_names=None):
+            self.directory = directory
+            RecordingManager.made.append(self)
+
+        def all_steps(self):  # what orbax counts as finished on gs://: the commit marker
+            root = str(self.directory)
+            return [int(p.rsplit("/", 1)[1]) for p in fs.ls(root, detail=False)
+                    if p.rsplit("/", 1)[1].isdigit() and fs.exists(f"{p}/commit_success.txt")]
+
+        def reload(self):
+            pass
+
+        def wait_until_finished(self):
+            pass
+
+        def close(self):
+            pass
+
+    import orbax.checkpoint as ocp
+    monkeypatch.setattr(ocp, "CheckpointManager", RecordingManager)
+    return fs, RecordingManager
+
+
+def test_gs_url_is_kept_for_orbax_and_for_directory_handling(fake_bucket):
+    from etils import epath
+
+    fs, manager = fake_bucket
+    url = "gs://bucket/run/checkpoints"
+    for step in (1, 2):
+        fs.pipe(f"{url}/{step}/state/data", b"x")
+        fs.pipe(f"{url}/{step}/commit_success.txt", b"ok")
+    fs.pipe(f"{url}/3/state/data", b"half")  # interrupted: no commit marker yet
+    with pytest.warns(RuntimeWarning, match=r"gs://bucket/run/checkpoints: ignoring unfinalized checkpoint "
+                                            r"directory 3 left by an interrupted save"):
+        ck = Checkpointer(url, keep=2)
+    assert isinstance(ck.directory, epath.Path) and str(ck.directory) == url
+    assert str(manager.made[-1].directory) == url  # orbax is handed the URL, not <cwd>/gs:/...
+    assert str(ck._step_dir(2)) == f"{url}/2"
+    assert ck.steps() == [1, 2]
+    # A bad step is moved aside inside the bucket, objects and all.
+    with pytest.warns(RuntimeWarning, match=r"moved unusable checkpoint gs://bucket/run/checkpoints/2 to "
+                                            r"gs://bucket/run/checkpoints/corrupt/2\."):
+        ck._quarantine([2])
+    assert ck.steps() == [1]
+    moved = [p for p in fs.find(f"{url}/corrupt") if p.endswith("/state/data")]
+    assert len(moved) == 1 and fs.cat(moved[0]) == b"x"
+    assert not fs.exists(f"{url}/2/state/data")
