@@ -18,7 +18,9 @@ for a in "$@"; do args+=" $(printf %q "$a")"; done
 if [[ -n "${RESUME:-}" ]]; then args+=" --resume"; fi
 
 # Every worker must write to the same place: refuse a checkpoint.dir the Checkpointer would
-# turn into a per-host local path.
+# turn into a per-host local path (muajax before URL support did that to gs:// paths). Making
+# the Checkpointer also opens the directory through orbax, so a bucket worker 0 cannot reach
+# fails here, before the workers start.
 WORKER=0 tpu_ssh "cd ~/$REMOTE_DIR && JAX_PLATFORMS=cpu ~/$VENV/bin/python -c '
 import sys
 from muajax.checkpoint import Checkpointer

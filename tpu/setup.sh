@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install muajax on every worker of the slice: this checkout as it is on disk (uncommitted
-# changes included), Python 3.11 (TPU VM images ship 3.10) in a uv virtualenv, jax[tpu], gcsfs.
+# changes included), Python 3.11 (TPU VM images ship 3.10) in a uv virtualenv, jax[tpu], gcsfs and
+# google-cloud-storage (orbax calls it directly for gs:// checkpoint directories).
 #   tpu/setup.sh
 # Optional, in the environment:
 #   MODEL_GCS=gs://BUCKET/models/Qwen3-8B  copied to ~/muajax/checkpoints/Qwen3-8B on every worker
@@ -8,8 +9,8 @@
 #   SECRETS="OPENAI_API_KEY"               local variables installed on the workers in ~/.muajax_env
 #                                          (mode 600, copied as a file: never on a command line)
 #   MOUNT_BUCKET=1                         mount gs://$BUCKET at /mnt/gcs/$BUCKET with gcsfuse on every
-#                                          worker (a checkpoint.dir for a muajax whose Checkpointer does
-#                                          not take gs:// URLs yet: see tpu/README.md)
+#                                          worker (not needed for checkpoints, which take gs:// URLs;
+#                                          see tpu/README.md)
 source "$(dirname "$0")/common.sh"
 root=$(cd "$(dirname "$0")/.." && pwd)
 tmp=$(mktemp -d)
@@ -22,7 +23,7 @@ tpu_ssh "set -e
   export PATH=\$HOME/.local/bin:\$PATH
   command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh
   [ -d ~/$VENV ] || uv venv --python 3.11 ~/$VENV
-  uv pip install --python ~/$VENV/bin/python -e ~/$REMOTE_DIR'[tpu]' gcsfs"
+  uv pip install --python ~/$VENV/bin/python -e ~/$REMOTE_DIR'[tpu]' gcsfs google-cloud-storage"
 
 if [[ -n "${SECRETS:-}" ]]; then
   (
