@@ -101,7 +101,8 @@ def test_the_existing_embedded_run_if_present(tmp_path, capsys):
     run = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "embedded-cpu")
     if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
         pytest.skip("no committed embedded run")
-    records = [json.loads(ln) for ln in open(os.path.join(run, "metrics.jsonl"))]
+    with open(os.path.join(run, "metrics.jsonl")) as fh:
+        records = [json.loads(ln) for ln in fh]
     assert report.main([run, "--out", str(tmp_path / "r.png")]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["figures"]["reward"]["last"] == records[-1]["reward"]
