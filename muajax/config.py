@@ -161,11 +161,14 @@ class McpConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    domain: Literal["builtin", "retail", "airline", "telecom", "mcp"] = "builtin"
+    # "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is evaluation-only: no train split
+    domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl"] = "builtin"
     # several τ2 domains trained together (e.g. [retail, airline]); overrides `domain`
     domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
     builtin_seed: int = 0  # the built-in domain's database and tasks
     builtin_terse_tools: bool = False  # shorter tool schemas in the prompt (tiny CPU runs)
+    bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
+                           "multi_turn_long_context"] = "multi_turn_base"
     train_split: str = "train"
     eval_split: str = "test"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
@@ -314,6 +317,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         r, arch, mb = self.rollout, self.model.arch, self.grpo.microbatch_size
+        check(self.env.domain != "bfcl", "env.domain",
+              "'bfcl' has no train split (BFCL-v3 is an evaluation benchmark): evaluate with "
+              "`python -m muajax.eval --domain bfcl`")
         check("sft" not in self.run.stages or self.sft.data is not None or self.env.domain == "builtin",
               "sft.data", "is required when run.stages includes 'sft' (only the built-in domain has an expert "
               "to synthesize it)")

@@ -1,4 +1,4 @@
-"""`python -m muajax.eval --checkpoint DIR --domain retail|airline|telecom|builtin [options]`.
+"""`python -m muajax.eval --checkpoint DIR --domain retail|airline|telecom|builtin|bfcl [options]`.
 
 Runs the policy in DIR (a muajax run/checkpoint directory or a Hugging Face directory) on
 every task of a split, `--trials` times each, with a simulated user in the loop, through
@@ -14,7 +14,12 @@ The user: `scripted` (built-in domain only, offline) or `openai` (any OpenAI-com
 endpoint: --user-model, --user-base-url; the key is read from the environment variable
 named by --user-api-key-env and never printed).
 
-BFCL-v3 multi-turn is not a suite here: its package (nvidia-bfcl) is not installed.
+BFCL-v3 multi-turn (`--domain bfcl`, needs the optional nvidia-bfcl install, see the
+README): `--bfcl-category` base (default), miss_func, miss_param or long_context; the
+split is `test` (every task of the category; BFCL has no train split). The user is the
+benchmark's scripted turns and the score is BFCL's own multi-turn checker (see
+`muajax.envs.bfcl`); the episode limit defaults to 200 turns there, since BFCL itself
+allows 20 steps per user turn.
 """
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ from collections import defaultdict
 from math import comb
 from typing import Any
 
-DOMAINS = ("builtin", "retail", "airline", "telecom")
+DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl")
+BFCL_CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
+SCRIPTED_DOMAINS = ("builtin", "bfcl")  # domains whose user needs no model
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,18 +45,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     p.add_argument("--domain", required=True, choices=DOMAINS)
     p.add_argument("--split", default="test")
+    p.add_argument("--bfcl-category", default="base", choices=BFCL_CATEGORIES + tuple(f"multi_turn_{c}" for c in
+                   BFCL_CATEGORIES), help="--domain bfcl: the BFCL-v3 multi-turn category (default: base)")
     p.add_argument("--trials", type=int, default=4, help="rollouts per task (τ2 uses 4); pass^k for k <= trials")
     p.add_argument("--max-tasks", type=int, help="only the first N tasks of the split")
     p.add_argument("--temperature", type=float, default=0.0, help="the agent's sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--user", choices=("scripted", "openai"), help="default: scripted for builtin, else openai")
+    p.add_argument("--user", choices=("scripted", "openai"),
+                   help="default: scripted for builtin and bfcl (BFCL's own turns), else openai")
     p.add_argument("--user-model")
     p.add_argument("--user-base-url")
     p.add_argument("--user-api-key-env", default="OPENAI_API_KEY", help="NAME of the env var holding the key")
     p.add_argument("--user-temperature", type=float, default=0.0)
     p.add_argument("--user-concurrency", type=int, default=16, help="requests in flight to the user endpoint")
-    p.add_argument("--max-turns", type=int, default=30, help="user replies + tool calls per episode")
+    p.add_argument("--max-turns", type=int, help="user replies + tool calls per episode (default 30; bfcl 200)")
     p.add_argument("--max-new-tokens", type=int, help="per assistant turn (default: the run's, else 1024)")
     p.add_argument("--max-context", type=int, help="tokens per conversation (default: the run's, else 16384)")
     p.add_argument("--slots", type=int, default=32, help="conversations decoded side by side")
@@ -65,9 +75,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
-    args.user = args.user or ("scripted" if args.domain == "builtin" else "openai")
-    if args.user == "scripted" and args.domain != "builtin":
-        p.error(f"--user scripted exists only for --domain builtin; {args.domain} needs --user openai")
+    args.user = args.user or ("scripted" if args.domain in SCRIPTED_DOMAINS else "openai")
+    if args.user == "scripted" and args.domain not in SCRIPTED_DOMAINS:
+        p.error(f"--user scripted exists only for --domain builtin or bfcl; {args.domain} needs --user openai")
+    if args.domain != "bfcl" and args.bfcl_category != "base":
+        p.error("--bfcl-category applies only to --domain bfcl")
+    if args.domain == "bfcl" and args.user != "scripted":
+        p.error("--domain bfcl plays BFCL's own scripted user turns; --user openai does not apply")
+    if args.max_turns is None:
+        # a BFCL task has up to 8 user turns of up to 20 steps each (BFCL's own per-turn limit)
+        args.max_turns = 200 if args.domain == "bfcl" else 30
     if args.user == "openai" and not args.user_model:
         p.error("--user openai needs --user-model (and usually --user-base-url)")
     return args
@@ -80,6 +97,10 @@ def run_config(args, policy):
 
     base = policy.config
     env = base.env if base is not None and base.env.domain == args.domain else EnvConfig(domain=args.domain)
+    if args.domain == "bfcl":
+        category = args.bfcl_category
+        env = dataclasses.replace(env, bfcl_category=category if category.startswith("multi_turn_")
+                                  else f"multi_turn_{category}")
     if args.terse_tools is not None:
         env = dataclasses.replace(env, builtin_terse_tools=args.terse_tools)
     user = from_dict(UserConfig, {
@@ -153,6 +174,9 @@ def evaluate(args) -> dict[str, Any]:
     slots = min(args.slots, len(tasks) * args.trials)
     engine = make_engine(policy, num_slots=slots, max_len=context)
     end_on_malformed = policy.config.rollout.end_on_malformed_call if policy.config is not None else False
+    if args.domain == "bfcl" and cfg.env.bfcl_category == "multi_turn_miss_func":
+        # a function added mid-conversation is not in the tool list the rollout checks calls against
+        end_on_malformed = False
     options = RolloutOptions(n=args.trials, max_turns=args.max_turns, max_new_tokens_per_turn=new_tokens,
                              max_context=context, temperature=args.temperature, top_p=args.top_p,
                              communicate_info=not args.no_communicate_info, end_on_malformed_call=end_on_malformed)
@@ -165,7 +189,10 @@ def evaluate(args) -> dict[str, Any]:
                    checkpoint=policy.path, stage=policy.stage, step=policy.step,
                    failed_rollouts=sum(t.failed for t in trajectories),
                    sampled_tokens=sum(t.num_sampled for t in trajectories), wall_s=round(time.time() - start, 2))
-    out = args.out or f"eval-{args.domain}-{args.split}.json"
+    if args.domain == "bfcl":
+        summary["bfcl_category"] = cfg.env.bfcl_category
+    name = f"bfcl-{cfg.env.bfcl_category}" if args.domain == "bfcl" else args.domain
+    out = args.out or f"eval-{name}-{args.split}.json"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
@@ -183,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = evaluate(args)
-    except (PolicyLoadError, ConfigError, ValueError) as e:
+    except (PolicyLoadError, ConfigError, ValueError, ImportError) as e:
         print(f"muajax.eval: error: {e}", file=sys.stderr, flush=True)
         print(json.dumps({"error": str(e)}), flush=True)
         return 2
@@ -191,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"per-task results: {summary['out']}", flush=True)
     keys = [f"pass^{k}" for k in range(1, args.trials + 1)]
     figures = {k: summary[k] for k in ("domain", "split", "tasks", "trials")}
+    if "bfcl_category" in summary:
+        figures["bfcl_category"] = summary["bfcl_category"]
     figures.update({k: summary[k] for k in keys})
     figures.update({k: summary[k] for k in ("success", "partial", "turns", "confirm_rate", "calls_per_tool",
                                             "terminations", "failed_rollouts", "sampled_tokens", "wall_s", "out")})

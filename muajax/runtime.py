@@ -67,12 +67,24 @@ def make_environment(cfg: TrainConfig) -> Environment:
         from muajax.envs.tau2 import Tau2Environment
 
         return Tau2Environment(domain)
+    if domain == "bfcl":
+        from muajax.envs.bfcl import BfclEnvironment  # raises with the install line when nvidia-bfcl is missing
+
+        return BfclEnvironment(cfg.env.bfcl_category)
     from muajax.envs.mcp import McpEnvironment
 
     return McpEnvironment.from_config(cfg.env.mcp)
 
 
 def make_user(cfg: TrainConfig, env: Environment):
+    if cfg.env.domain == "bfcl":
+        # BFCL's user turns are the benchmark's data, never a model
+        if cfg.user.kind != "scripted":
+            raise SystemExit(f"env.domain=bfcl plays BFCL's scripted user turns; user.kind={cfg.user.kind!r} "
+                             "does not apply (use user.kind=scripted)")
+        from muajax.users.bfcl import BfclUser
+
+        return BfclUser()
     if cfg.user.kind == "scripted":
         if cfg.env.domain != "builtin":
             raise SystemExit(f"user.kind=scripted exists only for env.domain=builtin; use user.kind=openai for "
