@@ -194,7 +194,8 @@ class BfclEnvironment(Environment):
         if missing:
             raise RuntimeError(f"BFCL ships no ground truth for {len(missing)} {self.category} entries, "
                                f"e.g. {missing[0]}")
-        self._docs: dict[str, list[dict[str, Any]]] = {}  # class -> its function docs
+        # class -> its function docs, read up front: sessions start from several threads
+        self._docs = {c: _read_jsonl(MULTI_TURN_FUNC_DOC_PATH / f) for c, f in MULTI_TURN_FUNC_DOC_FILE_MAPPING.items()}
         self._entries: dict[str, dict[str, Any]] = {}
         self._tasks: list[Task] = []
         for entry in entries:
@@ -226,9 +227,6 @@ class BfclEnvironment(Environment):
 
     # --- internals -----------------------------------------------------------------------
     def docs(self, class_name: str) -> list[dict[str, Any]]:
-        if class_name not in self._docs:
-            path = MULTI_TURN_FUNC_DOC_PATH / MULTI_TURN_FUNC_DOC_FILE_MAPPING[class_name]
-            self._docs[class_name] = _read_jsonl(path)
         return self._docs[class_name]
 
     def _task(self, entry: dict[str, Any]) -> Task:
