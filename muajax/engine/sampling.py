@@ -15,20 +15,56 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 whose unsigned order is the float order, so a bisection over the
+    2^32 keys visits every float. -0.0 is folded onto +0.0 first: they are equal logits and
+    must tie. (NaN is not ordered and not expected.)"""
+    x = jnp.where(x == 0, jnp.float32(0), x)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
 def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Mask logits outside each row's top-k / nucleus; rows with k=0, p>=1 are unchanged."""
+    """Mask logits outside each row's top-k / nucleus; rows with k=0, p>=1 are unchanged.
+
+    A token is kept iff fewer than k tokens are strictly more likely than it and the
+    probability mass of the tokens strictly more likely than it is < p. So tied tokens are
+    kept or dropped together, the top token always survives, and the kept set is every
+    token at or above one threshold: the same set a descending sort would cut at its k-th
+    entry and at the first entry whose preceding mass reaches p (taking that entry's ties).
+
+    Sorting 151936 entries per row cost more than the rest of a decode step, so instead the
+    threshold is found by bisection over the 2^32 ordered float keys: 32 passes, each one
+    fused compare-and-sum over the vocabulary. The mass is compared unnormalised
+    (sum of exp(s - max) over the strictly-higher tokens < p * sum of exp(s - max)), in
+    float32, so a p within rounding of a cumulative mass may resolve either way.
+    """
     vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    keys = _ordered_keys(scaled)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # keep a token while the mass *before* it is < p, so the top token always survives
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < top_p[:, None]
-    cutoff_index = jnp.maximum(jnp.sum(keep_sorted, axis=-1) - 1, 0)
-    pth = jnp.take_along_axis(sorted_desc, cutoff_index[:, None], axis=-1)
-    threshold = jnp.maximum(kth, jnp.where(top_p[:, None] < 1.0, pth, NEG_INF))
-    return jnp.where(scaled >= threshold, scaled, NEG_INF)
+    weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    # p >= 1 must keep everything even when the mass above the least likely token rounds to the total
+    mass_cap = jnp.where(top_p < 1.0, top_p * jnp.sum(weights, axis=-1), jnp.inf)
+
+    def keeps(threshold):  # would a token whose key is `threshold` be kept?
+        above = keys > threshold[:, None]
+        count = jnp.sum(above, axis=-1, dtype=jnp.int32)
+        mass = jnp.sum(jnp.where(above, weights, 0.0), axis=-1)
+        return (count < k) & (mass < mass_cap)
+
+    # `keeps` is monotone (true at the top key); find its smallest true key in (lo, hi].
+    lo = jnp.min(keys, axis=-1) - 1  # >= 0: no finite or infinite float maps to key 0
+    hi = jnp.max(keys, axis=-1)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        searching = hi - lo > 1
+        ok = keeps(mid)
+        return jnp.where(searching & ~ok, mid, lo), jnp.where(searching & ok, mid, hi)
+
+    _, threshold = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return jnp.where(keys >= threshold[:, None], scaled, NEG_INF)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
@@ -43,7 +79,7 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     scaled = logits / temp[:, None]
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
     needs_filter = jnp.any(((top_k > 0) | (top_p < 1.0)) & ~greedy)
-    # The sort behind top-k/top-p costs V log V per row: skip it when no row asks for it.
+    # The threshold search costs 32 passes over the vocabulary: skip it when no row asks for it.
     filtered = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
     # A draw costs one random number per vocabulary entry and row, most of a decode step for
     # a small model: skip it when every row is greedy (the draws would be discarded).
