@@ -15,6 +15,13 @@ The KV cache (`KVCache`) is explicit and functional: `forward` takes a cache and
 the updated one. Each row has its own length; a chunk of new tokens is written at each
 row's own offset, so one call serves ragged extend (a user/tool turn appended to every
 conversation) and single-token decode alike.
+
+Inference passes the whole stacked cache through the layer scan's carry and each layer
+scatters its chunk into it at its own layer index: XLA updates the (donated) buffer in
+place. Passing per-layer slices as the scan's xs/ys instead re-stacks the outputs, a copy
+of the whole cache per call, most of a small model's decode step. Differentiated callers
+(`forward_shared_prefix`) keep the xs/ys form: under autodiff and remat a carried cache
+would be saved whole at every layer.
 """
 from __future__ import annotations
 
@@ -146,12 +153,24 @@ def _param(module: nn.Module, name: str, shape, axes, init):
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, cfg.weight_dtype)
 
 
+class LayerCarry(NamedTuple):
+    """The scan carry: the residual stream and, for in-place caching, the stacked cache
+    (k, v [L, B, S, K, H]) with the index of the layer about to run."""
+
+    x: jax.Array
+    stacked: tuple[jax.Array, jax.Array] | None
+    layer: jax.Array
+
+
 class DecoderLayer(nn.Module):
     cfg: Qwen3Config
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer_cache: tuple[jax.Array, jax.Array] | None, ctx: AttentionContext):
+    def __call__(self, carry: LayerCarry, layer_cache: tuple[jax.Array, jax.Array] | None, ctx: AttentionContext):
+        """`layer_cache`: this layer's (k, v) [B, S, K, H] slice as a scan x (returned updated as
+        the scan y), or None: no cache, or the stacked cache in `carry` (updated in place)."""
         cfg = self.cfg
+        x, stacked = carry.x, carry.stacked
         dt = cfg.compute_dtype
         d, n, k, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         dense = nn.initializers.normal(0.02)
@@ -177,12 +196,17 @@ class DecoderLayer(nn.Module):
         q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
         kk = apply_rope(rms_norm(kk, k_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
 
-        if layer_cache is None:
-            keys, values, new_cache = kk, vv, None
-        else:
+        new_cache = None
+        if stacked is not None:
+            stacked = _write_stacked(stacked, carry.layer, kk, vv, ctx.write_index)
+            keys, values = (jax.lax.dynamic_index_in_dim(c, carry.layer, 0, keepdims=False).astype(dt)
+                            for c in stacked)
+        elif layer_cache is not None:
             keys, values = _write_cache(layer_cache, kk, vv, ctx.write_index)
             new_cache = (keys, values)
             keys, values = keys.astype(dt), values.astype(dt)
+        else:
+            keys, values = kk, vv
 
         attn = _attention(q, keys, values, ctx, cfg)
         x = x + jnp.einsum("BTNH,NHD->BTD", attn, wo.astype(dt))
@@ -194,7 +218,7 @@ class DecoderLayer(nn.Module):
         hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
         x = x + jnp.einsum("BTF,FD->BTD", hidden, w_down.astype(dt))
         x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
-        return x, new_cache
+        return LayerCarry(x, stacked, carry.layer + 1), new_cache
 
 
 def _write_cache(layer_cache, k_new, v_new, write_index):
@@ -203,6 +227,15 @@ def _write_cache(layer_cache, k_new, v_new, write_index):
     rows = jnp.arange(k_new.shape[0])[:, None]
     k_cache = k_cache.at[rows, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
+def _write_stacked(stacked, layer, k_new, v_new, write_index):
+    """`_write_cache` into layer `layer` of the whole stacked cache (an in-place scatter)."""
+    k_cache, v_cache = stacked
+    rows = jnp.arange(k_new.shape[0])[:, None]
+    k_cache = k_cache.at[layer, rows, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, rows, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
     return k_cache, v_cache
 
 
@@ -231,13 +264,16 @@ def _remat_policy(name: str):
 class Qwen3(nn.Module):
     """`__call__(tokens, ctx, cache_kv, logits_index)` -> (logits or hidden, new cache k/v).
 
-    Prefer the functional `forward` below, which builds the attention context.
+    `in_place` carries the cache through the layer scan (inference) instead of slicing it
+    as the scan's xs/ys (autodiff). Prefer the functional `forward` below, which builds the
+    attention context.
     """
 
     cfg: Qwen3Config
 
     @nn.compact
-    def __call__(self, tokens, ctx: AttentionContext, cache_kv, logits_index=None, return_hidden=False):
+    def __call__(self, tokens, ctx: AttentionContext, cache_kv, logits_index=None, return_hidden=False,
+                 in_place=False):
         cfg = self.cfg
         dt = cfg.compute_dtype
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("embed_vocab", "embed"), nn.initializers.normal(0.02))
@@ -255,7 +291,12 @@ class Qwen3(nn.Module):
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
-        x, new_cache = stack(x, cache_kv, ctx)
+        if in_place and cache_kv is not None:
+            carry, _ = stack(LayerCarry(x, cache_kv, jnp.int32(0)), None, ctx)
+            x, new_cache = carry.x, carry.stacked
+        else:
+            carry, new_cache = stack(LayerCarry(x, None, jnp.int32(0)), cache_kv, ctx)
+            x = carry.x
 
         final_norm = _param(self, "final_norm", (cfg.hidden_size,), ("norm",), nn.initializers.ones)
         x = rms_norm(x, final_norm, cfg.rms_norm_eps)
@@ -302,6 +343,7 @@ def forward(
     num_new: jax.Array | None = None,
     logits_index: jax.Array | None = None,
     return_hidden: bool = False,
+    in_place: bool = True,
 ):
     """Run the model. Returns (logits [B, T or P, V], new cache or None).
 
@@ -310,6 +352,8 @@ def forward(
     chunk `tokens` [B, T] is appended to each row at `cache.lengths[b]`, of which the
     first `num_new[b]` tokens are real (default: all T); positions continue each row.
     `logits_index` [B, P] picks the positions whose logits are wanted.
+    `in_place=False` moves the cache through the layers as per-layer slices: the same
+    numbers, but cheap to differentiate (see the module docstring).
     """
     model = Qwen3(cfg)
     b, t = tokens.shape
@@ -322,7 +366,8 @@ def forward(
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)
-    out, (k, v) = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index, return_hidden)
+    out, (k, v) = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index, return_hidden,
+                              in_place)
     return out, KVCache(k, v, cache.lengths + num_new.astype(jnp.int32))
 
 
@@ -337,11 +382,12 @@ def forward_shared_prefix(params, cfg: Qwen3Config, tokens: jax.Array, prefix_le
     if not 0 < prefix_len < t:
         raise ValueError(f"prefix_len={prefix_len} must be in (0, {t})")
     cache = init_cache(cfg, 1, t)
-    h_prefix, cache = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True)
+    h_prefix, cache = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True,
+                              in_place=False)
     shape = (cfg.num_layers, b) + cache.k.shape[2:]
     cache = KVCache(jnp.broadcast_to(cache.k, shape), jnp.broadcast_to(cache.v, shape),
                     jnp.broadcast_to(cache.lengths, (b,)))
-    h_rest, _ = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True)
+    h_rest, _ = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True, in_place=False)
     return jnp.concatenate([jnp.broadcast_to(h_prefix, (b,) + h_prefix.shape[1:]), h_rest], axis=1)
 
 
@@ -371,4 +417,4 @@ def param_bytes(params) -> int:
     return int(sum(np.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden", "in_place"))

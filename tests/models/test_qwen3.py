@@ -142,3 +142,20 @@ def test_remat_does_not_change_gradients(tmp_path):
     g1 = jax.grad(loss)(params, cfg.replace(remat="full"))
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_in_place_cache_equals_per_layer_slices(checkpoint):
+    """The engine's in-place cache (carried through the layer scan) and the differentiable
+    per-layer form compute the same numbers, extend and decode alike."""
+    params, cfg = load_params(checkpoint)
+    rng = np.random.RandomState(4)
+    caches = {flag: init_cache(cfg, batch=2, max_len=16) for flag in (True, False)}
+    for width, num_new in ((6, [6, 4]), (1, [1, 1]), (3, [0, 3])):
+        chunk = jnp.asarray(rng.randint(0, cfg.vocab_size, (2, width)), jnp.int32)
+        outs = {}
+        for flag in (True, False):
+            outs[flag], caches[flag] = forward(params, cfg, chunk, cache=caches[flag], num_new=jnp.asarray(num_new),
+                                               in_place=flag)
+        np.testing.assert_array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
+        for a, b in zip(caches[True], caches[False]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
