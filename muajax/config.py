@@ -167,6 +167,12 @@ class EnvConfig:
     domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
     builtin_seed: int = 0  # the built-in domain's database and tasks
     builtin_terse_tools: bool = False  # shorter tool schemas in the prompt (tiny CPU runs)
+    # The built-in database's size: many distinct users (names, zips, ids) make a tiny model
+    # learn to copy from the conversation rather than memorise the few it saw.
+    builtin_users: int = bounded(60, ge=2, le=300)
+    builtin_test_users: int = bounded(12, ge=1)
+    builtin_train_tasks: int = bounded(200, ge=1)
+    builtin_test_tasks: int = bounded(50, ge=1)
     bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                            "multi_turn_long_context"] = "multi_turn_base"
     train_split: str = "train"
@@ -265,6 +271,11 @@ class SFTConfig:
     warmup_ratio: float = bounded(0.0, ge=0, lt=1)
     max_len: int = bounded(32768, ge=1)
     microbatch_size: int | None = bounded(None, ge=1)
+    # Loss weight of the conversation's other tokens (user turns, tool results; never the
+    # system prompt) beside the assistant's own (weight 1). MUA-RL's cold start uses 0. A
+    # model trained from scratch (the embedded default) has no pretraining to copy ids and
+    # names with; predicting the whole dialogue gives it that signal in the same forward.
+    context_weight: float = bounded(0.0, ge=0)
 
     def validate(self) -> None:
         check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",

@@ -62,7 +62,10 @@ def make_environment(cfg: TrainConfig) -> Environment:
     if domain == "builtin":
         from muajax.envs.builtin import BuiltinEnvironment
 
-        return BuiltinEnvironment(seed=cfg.env.builtin_seed, terse_tools=cfg.env.builtin_terse_tools)
+        e = cfg.env
+        return BuiltinEnvironment(seed=e.builtin_seed, terse_tools=e.builtin_terse_tools, n_users=e.builtin_users,
+                                  n_test_users=e.builtin_test_users, n_train_tasks=e.builtin_train_tasks,
+                                  n_test_tasks=e.builtin_test_tasks)
     if domain in ("retail", "airline", "telecom"):
         from muajax.envs.tau2 import Tau2Environment
 
@@ -127,7 +130,7 @@ def domain_ids(env: Environment, tokenizer) -> set[int]:
                 session.close()
             ids.update(system_prompt_ids(tokenizer, system, tools))
             for careless in (0.0, 1.0):
-                messages, _ = expert_conversation(env, task, careless=careless, seed=0)
+                messages, _ = expert_conversation(env, task, careless=careless, seed=0, evaluate=False)
                 ids.update(render_messages_ids(tokenizer, system, tools, messages)[0])
     return ids
 

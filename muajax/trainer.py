@@ -201,7 +201,7 @@ class Trainer:
             epoch, index = divmod(step, per_epoch)
             order = np.random.default_rng([self.cfg.run.seed, 7, epoch]).permutation(len(examples))
             chosen = [examples[i] for i in order[index * s.batch_size:(index + 1) * s.batch_size]]
-            batch = _sft_batch(chosen, self.tok_pad, length)
+            batch = _sft_batch(chosen, self.tok_pad, length, context_weight=s.context_weight, context_start=prefix)
             batch = self._pad_batch(batch, _batch_divisor(self.mesh, micro))
             # multi-host: every process built this same batch; each places its own devices' rows
             state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
@@ -364,13 +364,23 @@ def _step_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, 104729, step]).generate_state(1, np.uint32)[0] >> 1)
 
 
-def _sft_batch(examples, pad_id: int, length: int) -> dict[str, np.ndarray]:
+def _sft_batch(examples, pad_id: int, length: int, *, context_weight: float = 0.0,
+               context_start: int = 0) -> dict[str, np.ndarray]:
+    """Padded tokens and the assistant-token loss mask; with a `context_weight`, also a
+    `context_mask` of that weight on the other tokens from `context_start` (the end of the
+    shared system prompt) to the row's end."""
     tokens = np.full((len(examples), length), pad_id, np.int32)
     mask = np.zeros((len(examples), length), np.int32)
     for i, (ids, m) in enumerate(examples):
         tokens[i, : len(ids)] = ids
         mask[i, : len(m)] = m
-    return {"tokens": tokens, "loss_mask": mask}
+    batch = {"tokens": tokens, "loss_mask": mask}
+    if context_weight:
+        context = np.zeros((len(examples), length), np.float32)
+        for i, (ids, _) in enumerate(examples):
+            context[i, context_start: len(ids)] = context_weight
+        batch["context_mask"] = np.where(mask == 0, context, 0.0).astype(np.float32)
+    return batch
 
 
 def _mask_uniform_groups(batch: dict) -> dict:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from muajax.chat import render_messages_ids
+from muajax.chat import system_prompt_ids, render_messages_ids
 from muajax.config import load_config
 from muajax.envs.base import Environment, EnvSession, Evaluation, Observation, Task
 from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID, load_tokenizer
@@ -77,6 +77,14 @@ def test_sft_loss_mask_covers_exactly_the_assistant_tokens():
             assert message["tool_calls"][0]["function"]["name"] in text and "<tool_call>" in text
         else:
             assert text == message["content"]
+    # with a context weight, every other token after the system prompt gets that weight
+    prefix = len(system_prompt_ids(tok, env.policy(), tools))
+    weighted = _sft_batch([(ids, mask)], PAD_ID, 4096, context_weight=0.5, context_start=prefix)
+    assert (weighted["loss_mask"] == batch["loss_mask"]).all()
+    context = weighted["context_mask"][0]
+    assert (context[:prefix] == 0).all() and (context[len(ids):] == 0).all()
+    assert (context[: len(ids)][loss_mask[: len(ids)] == 1] == 0).all()
+    assert (context[prefix: len(ids)][loss_mask[prefix: len(ids)] == 0] == 0.5).all()
 
 
 # --------------------------------------------------------------------------- a task a tiny model can learn

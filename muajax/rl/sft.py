@@ -18,10 +18,12 @@ from muajax.rl.optim import Optimizer
 from muajax.rl.step import TrainStep, sequence_logprobs, shift_left
 
 
-def sft_terms(logprobs, mask, entropy=None):
+def sft_terms(logprobs, mask, entropy=None, context=None):
     """(loss_sum, denominator, sums) of masked negative log-likelihood; logprobs, mask [B, T]
     already aligned (mask[b, t] weighs logprobs[b, t]). Masked positions contribute an exact
-    0 (selected away, so a -inf logprob there is harmless)."""
+    0 (selected away, so a -inf logprob there is harmless). `context` [B, T], optional: loss
+    weights of the other tokens (user turns, tool results), added to the token-mean; the
+    logged nll, entropy and token count stay the assistant's own."""
     keep = mask != 0
     nll = jnp.where(keep, -logprobs.astype(jnp.float32), 0.0)
     n = keep.astype(jnp.float32).sum()
@@ -29,7 +31,11 @@ def sft_terms(logprobs, mask, entropy=None):
             "nll_sum": jax.lax.stop_gradient(nll.sum())}
     if entropy is not None:
         sums["entropy_sum"] = jax.lax.stop_gradient(jnp.where(keep, entropy, 0.0).sum())
-    return nll.sum(), n, sums
+    if context is None:
+        return nll.sum(), n, sums
+    weight = jnp.where(keep, 0.0, context.astype(jnp.float32))
+    context_nll = jnp.where(weight > 0, -logprobs.astype(jnp.float32), 0.0)
+    return nll.sum() + (weight * context_nll).sum(), n + weight.sum(), sums
 
 
 def sft_loss_fn(cfg: Qwen3Config, *, logits_chunk: int | None = None, shared_prefix: int = 0,
@@ -40,7 +46,8 @@ def sft_loss_fn(cfg: Qwen3Config, *, logits_chunk: int | None = None, shared_pre
         tokens = mb["tokens"]
         logp, ent = sequence_logprobs(params, cfg, tokens, shift_left(tokens), logits_chunk=logits_chunk,
                                       shared_prefix=shared_prefix, with_entropy=with_entropy)
-        return sft_terms(logp, shift_left(mb["loss_mask"]), ent)
+        context = shift_left(mb["context_mask"]) if "context_mask" in mb else None
+        return sft_terms(logp, shift_left(mb["loss_mask"]), ent, context)
 
     return loss_fn
 

@@ -349,3 +349,26 @@ def test_expert_carelessness_is_seeded_and_validated(env):
     assert call["type"] == "function" and isinstance(call["function"]["arguments"], str)
     with pytest.raises(ValueError, match="careless"):
         expert_conversation(env, tasks[0], careless=1.5, seed=0)
+
+
+def test_large_database_keeps_every_property_and_the_small_ones_ids():
+    # The embedded default trains on 300 users (so a tiny model must copy names and ids
+    # rather than memorise them); past 100 users the ids grow a digit, below they don't.
+    big = BuiltinEnvironment(n_users=300, n_test_users=30, n_train_tasks=400, n_test_tasks=40)
+    users = big.fresh_db()["users"]
+    assert len(users) == 300 and all(len(u) == 4 for u in users)
+    assert all(len(u) == 3 for u in BuiltinEnvironment().fresh_db()["users"])
+    names = [u["name"] for u in users.values()]
+    assert len(set(names)) == 300
+    assert not {t.metadata["user_id"] for t in big.tasks("train")} & {t.metadata["user_id"] for t in big.tasks("test")}
+    for task in big.tasks("train")[:60] + big.tasks("test"):
+        session = big.reset(task)
+        for call in task.gold_actions:
+            assert not session.step(call).error, (task.task_id, call)
+        assert session.evaluate([], communicate_info=False).reward == 1.0, task.task_id
+    with pytest.raises(ValueError, match="n_users"):
+        BuiltinEnvironment(n_users=301)
+    # a session's database is a private copy
+    first, second = big.reset(big.tasks("train")[0]), big.reset(big.tasks("train")[0])
+    first.db["users"].clear()
+    assert len(second.db["users"]) == 300

@@ -36,6 +36,22 @@ def test_masked_targets_do_not_enter_the_loss():
     assert np.isfinite(float(sft_terms(logp, mask)[0])) and np.all(np.isfinite(np.asarray(grad)))
 
 
+def test_context_tokens_add_their_weighted_nll_but_logs_stay_the_assistants():
+    rng = np.random.default_rng(2)
+    logp = jnp.asarray(-rng.random((B, T)).astype(np.float32) * 3)
+    own = (rng.random((B, T)) < 0.3).astype(np.int32)
+    context = 0.25 * ((rng.random((B, T)) < 0.8) & (own == 0)).astype(np.float32)
+    loss, denom, sums = sft_terms(logp, own, context=jnp.asarray(context))
+    lp = np.asarray(logp, np.float64)
+    np.testing.assert_allclose(float(loss), -(lp * (own + context)).sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(denom), own.sum() + context.sum(), rtol=1e-6)
+    _, _, plain = sft_terms(logp, own)
+    assert float(sums["nll_sum"]) == float(plain["nll_sum"]) and float(sums["num_tokens"]) == own.sum()
+    # a context weight on an assistant position never counts twice
+    _, denom_overlap, _ = sft_terms(logp, own, context=jnp.ones((B, T)))
+    assert float(denom_overlap) == B * T
+
+
 def test_sft_step_is_the_masked_token_mean_nll():
     r = subproc.scenario("sft", "sft")
     m = r["metrics"]

@@ -22,6 +22,7 @@ SIZES = ("S", "M", "L")
 PRODUCTS = (("shirt", True), ("shoes", True), ("hat", True), ("mug", False), ("lamp", False), ("bag", False))
 VARIANTS_PER_PRODUCT = 4
 ORDERS_PER_USER = 3
+MAX_ORDER_NUMBERS = 900  # order ids are #o100..#o999
 PENDING, DELIVERED, CANCELLED, MODIFIED = "pending", "delivered", "cancelled", "modified"
 
 
@@ -58,18 +59,19 @@ def generate_database(seed: int, n_users: int) -> dict[str, Any]:
     """A deterministic database: the same (seed, n_users) always gives the same JSON."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    max_users = min(len(FIRST_NAMES) * len(LAST_NAMES), 100)
+    max_users = min(len(FIRST_NAMES) * len(LAST_NAMES), MAX_ORDER_NUMBERS // ORDERS_PER_USER)
     if not isinstance(n_users, int) or not 2 <= n_users <= max_users:
         raise ValueError(f"n_users must be an int in [2, {max_users}], got {n_users!r}")
     rng = random.Random(seed)
     products = _products(rng)
     names = rng.sample([f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES], n_users)
     zips = rng.sample(range(10000, 100000), n_users)
-    order_numbers = rng.sample(range(100, 1000), n_users * ORDERS_PER_USER)
+    order_numbers = rng.sample(range(100, 100 + MAX_ORDER_NUMBERS), n_users * ORDERS_PER_USER)
+    width = 2 if n_users <= 100 else 3  # u07 for the small default databases, u107 beyond 100 users
     users: dict[str, Any] = {}
     orders: dict[str, Any] = {}
     for u in range(n_users):
-        user_id = f"u{u:02d}"
+        user_id = f"u{u:0{width}d}"
         # Two pending orders per user guarantee every user can carry modify and cancel tasks.
         statuses = [PENDING, PENDING, rng.choice((DELIVERED, CANCELLED, PENDING))]
         rng.shuffle(statuses)

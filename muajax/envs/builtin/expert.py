@@ -150,23 +150,28 @@ def _is_careless(careless: float, seed: int, task: Task) -> bool:
 
 
 async def expert_conversation_async(env: Environment, task: Task, *, careless: float, seed: int,
-                                    communicate_info: bool = True) -> tuple[list[dict[str, Any]], Evaluation]:
-    """`expert_conversation` for callers already inside an event loop."""
+                                    communicate_info: bool = True,
+                                    evaluate: bool = True) -> tuple[list[dict[str, Any]], Evaluation | None]:
+    """`expert_conversation` for callers already inside an event loop; `evaluate=False`
+    skips the scoring (its database hash is most of the cost) and returns None for it."""
     sloppy = _is_careless(careless, seed, task)
     session = env.reset(task)
     try:
         expert = _Expert(task, session, ScriptedUser().start(task, session), sloppy)
         await expert.play()
+        if not evaluate:
+            return expert.messages, None
         return expert.messages, session.evaluate(expert.messages, communicate_info=communicate_info)
     finally:
         session.close()
 
 
-def expert_conversation(env: Environment, task: Task, *, careless: float, seed: int,
-                        communicate_info: bool = True) -> tuple[list[dict[str, Any]], Evaluation]:
-    """One expert conversation (OpenAI-style messages, system omitted) and its evaluation."""
+def expert_conversation(env: Environment, task: Task, *, careless: float, seed: int, communicate_info: bool = True,
+                        evaluate: bool = True) -> tuple[list[dict[str, Any]], Evaluation | None]:
+    """One expert conversation (OpenAI-style messages, system omitted) and its evaluation
+    (None with `evaluate=False`)."""
     return asyncio.run(expert_conversation_async(env, task, careless=careless, seed=seed,
-                                                 communicate_info=communicate_info))
+                                                 communicate_info=communicate_info, evaluate=evaluate))
 
 
 def expert_dataset(env: Environment, split: str, *, careless: float, seed: int,
