@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from muajax.models.hf import load_config, load_params
-from muajax.models.qwen3 import AttentionContext, Qwen3Config, _attention, forward_jit as forward, init_cache
+from muajax.models.qwen3 import Qwen3Config, forward_jit as forward, init_cache
 from tests.support.tiny_models import load_hf_model, make_hf_checkpoint
 
 VARIANTS = {
@@ -159,21 +159,3 @@ def test_in_place_cache_equals_per_layer_slices(checkpoint):
         np.testing.assert_array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
         for a, b in zip(caches[True], caches[False]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-def test_decode_attention_equals_the_einsum_path(dtype, atol):
-    """One query per row takes the multiply-and-sum path; two copies of it take the einsums."""
-    cfg = Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2,
-                      head_dim=16)
-    rng = np.random.RandomState(0)
-    b, s = 3, 12
-    q = jnp.asarray(rng.randn(b, 1, 4, 16), dtype)
-    keys, values = (jnp.asarray(rng.randn(b, s, 2, 16), dtype) for _ in range(2))
-    q_index = jnp.asarray([[11], [4], [7]])
-    kv_valid = jnp.arange(s)[None, :] < jnp.asarray([[12], [5], [10]])
-    one = _attention(q, keys, values, AttentionContext(q_index, kv_valid, None, None, None), cfg)
-    two = _attention(jnp.concatenate([q, q], axis=1), keys, values,
-                     AttentionContext(jnp.concatenate([q_index, q_index], axis=1), kv_valid, None, None, None), cfg)
-    assert one.dtype == two.dtype == dtype
-    np.testing.assert_allclose(np.asarray(one, np.float32)[:, 0], np.asarray(two, np.float32)[:, 0], atol=atol, rtol=0)
