@@ -276,6 +276,11 @@ class SFTConfig:
     # model trained from scratch (the embedded default) has no pretraining to copy ids and
     # names with; predicting the whole dialogue gives it that signal in the same forward.
     context_weight: float = bounded(0.0, ge=0)
+    # Steps of synthetic copy training (a span, then the span again) before the SFT data:
+    # the in-context copying a pretrained base model brings, for models trained from
+    # scratch (the embedded default). 0 for pretrained checkpoints.
+    copy_warmup_steps: int = bounded(0, ge=0)
+    copy_warmup_length: int = bounded(256, ge=4)
 
     def validate(self) -> None:
         check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",

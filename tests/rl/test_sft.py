@@ -77,3 +77,18 @@ def test_sft_steps_learn_the_assistant_tokens():
     losses = r["losses"]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, losses
     assert r["final_step"] == 4
+
+
+def test_copy_warmup_batch_repeats_its_span_and_masks_only_the_predictable_copy():
+    from muajax.rl.sft import copy_warmup_batch
+
+    ids = [5, 9, 11, 40, 41]
+    batch = copy_warmup_batch(np.random.default_rng(0), ids, 3, 11)
+    tokens, mask = batch["tokens"], batch["loss_mask"]
+    assert tokens.shape == mask.shape == (3, 11) and tokens.dtype == np.int32
+    assert set(np.unique(tokens)) <= set(ids)
+    np.testing.assert_array_equal(tokens[:, :5], tokens[:, 5:10])
+    # position t predicts t+1: the repeat's second token onwards is a copy, its first is not
+    assert (mask[:, :6] == 0).all() and (mask[:, 6:] == 1).all()
+    again = copy_warmup_batch(np.random.default_rng(0), ids, 3, 11)["tokens"]
+    np.testing.assert_array_equal(tokens, again)
