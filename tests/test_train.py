@@ -14,7 +14,8 @@ from muajax.config import load_config
 from muajax.envs.base import Environment, EnvSession, Evaluation, Observation, Task
 from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID, load_tokenizer
 from muajax.models.vocab import DomainTokenizer, DomainVocab
-from muajax.trainer import Trainer, _sft_batch
+from muajax import runtime
+from muajax.trainer import Trainer, _sft_batch, params_fingerprint
 from muajax.users.base import STOP, UserSession, UserSimulator, UserTurn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,6 +153,27 @@ def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path):
     assert len(rewards) == 10
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.25, rewards
     assert summary["heldout_success_grpo"] >= 0.75, summary
+
+
+def test_copy_warmup_teaches_copying_and_is_seeded(tmp_path, capsys):
+    base = load_tokenizer()
+    tok = DomainTokenizer(base, DomainVocab(range(1000, 1200)))
+    overrides = [f"run.out_dir={tmp_path}", "model.vocab=domain",
+                 "model.arch={hidden_size: 64, intermediate_size: 128, num_layers: 2, num_heads: 2, num_kv_heads: 1,"
+                 " head_dim: 64, max_position_embeddings: 256}",
+                 "sft.copy_warmup_steps=120", "sft.copy_warmup_length=64", "sft.batch_size=8",
+                 "sft.learning_rate=3e-3", "sft.warmup_ratio=0.1", "rollout.max_context=256", "rollout.max_new_tokens_per_turn=16",
+                 "metrics.progress_bar=false"]
+    trainer = Trainer(load_config(None, overrides), env=SayYesEnvironment(), user=StopUser(), tokenizer=tok)
+    params = runtime.initial_params(trainer.model_cfg, None, trainer.mesh, 0)
+    warmed = trainer.copy_warmup(params)
+    nll = trainer.summary["copy_warmup_nll"]
+    assert nll < 2.5, nll  # uniform would be ln(200) = 5.3: the repeated span is being copied
+    assert "copy warm-up: 120 steps" in capsys.readouterr().out
+    again = Trainer(load_config(None, overrides), env=SayYesEnvironment(), user=StopUser(), tokenizer=tok)
+    assert params_fingerprint(again.copy_warmup(params)) == params_fingerprint(warmed)
+    off = Trainer(load_config(None, [o for o in overrides if not o.startswith("sft.copy_warmup_steps")]), env=SayYesEnvironment(), user=StopUser(), tokenizer=tok)
+    assert off.copy_warmup(params) is params
 
 
 # --------------------------------------------------------------------------- kill -9, then resume
