@@ -4,7 +4,6 @@ environment and simulated user. Shared by train, eval and serve.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax

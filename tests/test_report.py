@@ -97,18 +97,6 @@ def test_missing_metrics_say_not_logged_and_out_path(tmp_path, capsys):
     assert not (tmp_path / report.DEFAULT_NAME).exists()
 
 
-def test_the_existing_embedded_run_if_present(tmp_path, capsys):
-    run = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "embedded-cpu")
-    if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
-        pytest.skip("no committed embedded run")
-    with open(os.path.join(run, "metrics.jsonl")) as fh:
-        records = [json.loads(ln) for ln in fh]
-    assert report.main([run, "--out", str(tmp_path / "r.png")]) == 0
-    result = last_json(capsys.readouterr().out)
-    assert result["figures"]["reward"]["last"] == records[-1]["reward"]
-    assert result["figures"]["reward"]["first"] == records[0]["reward"]
-
-
 @pytest.mark.parametrize("content, why", [
     (None, "no such file"),
     ("", "no metric records"),

@@ -133,7 +133,7 @@ class StopUser(UserSimulator):
         return _StopSession()
 
 
-def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path):
+def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path, capsys):
     base = load_tokenizer()
     words = [base.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", " maybe", " ok", ".", "!")]
     prompt_ids = base.encode("<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\nSay yes or no.<|im_end|>\n"
@@ -153,6 +153,13 @@ def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path):
     assert len(rewards) == 10
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.25, rewards
     assert summary["heldout_success_grpo"] >= 0.75, summary
+    # the report reads what the trainer wrote
+    from muajax import report
+
+    png = os.path.join(str(tmp_path), "dynamics.png")
+    assert report.main([cfg.run_dir, "--out", png]) == 0 and os.path.getsize(png) > 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["figures"]
+    assert (figures["reward"]["first"], figures["reward"]["last"]) == (rewards[0], rewards[-1])
 
 
 def test_copy_warmup_teaches_copying_and_is_seeded(tmp_path, capsys):

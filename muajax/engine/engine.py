@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muajax import parallel
 from muajax.engine import kv_cache
 from muajax.engine.sampling import sample_tokens
 from muajax.models.qwen3 import KVCache, Qwen3Config, forward
