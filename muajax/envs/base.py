@@ -56,6 +56,18 @@ class Task:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def call_shape_problem(call: Any) -> str | None:
+    """Why `call` is not a well-formed ToolCall (no name, non-object arguments), or None.
+    Environments check this before looking the tool up."""
+    if not isinstance(call, ToolCall):
+        return f"expected a ToolCall, got {type(call).__name__}"
+    if not isinstance(call.name, str) or not call.name:
+        return "the tool call has no name"
+    if not isinstance(call.arguments, dict):
+        return f"arguments of {call.name!r} must be a JSON object, got {type(call.arguments).__name__}"
+    return None
+
+
 class EnvSession(abc.ABC):
     """One rollout's private state: a fresh database copy and the tools over it."""
 

@@ -74,7 +74,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the pack
         "BFCL-v3 needs the `bfcl` package: pip install --no-deps nvidia-bfcl==26.3 && pip install -e '.[bfcl]' "
         f"(it pins numpy 1.26, hence --no-deps; see the README). Import failed: {exc}") from exc
 
-from muajax.envs.base import Environment, EnvSession, Evaluation, Observation, Task, ToolCall
+from muajax.envs.base import Environment, call_shape_problem, EnvSession, Evaluation, Observation, Task, ToolCall
 
 DOMAIN = "bfcl"
 CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
@@ -348,12 +348,9 @@ class BfclSession(EnvSession):
             return Observation(result, error=result.startswith("Error during execution"))
 
     def _check(self, call: Any) -> str | None:
-        if not isinstance(call, ToolCall):
-            return f"expected a ToolCall, got {type(call).__name__}"
-        if not isinstance(call.name, str) or not call.name:
-            return "the tool call has no name"
-        if not isinstance(call.arguments, dict):
-            return f"arguments of {call.name!r} must be a JSON object, got {type(call.arguments).__name__}"
+        problem = call_shape_problem(call)
+        if problem is not None:
+            return problem
         with self._lock:
             available = list(self._available)
         if call.name not in available:

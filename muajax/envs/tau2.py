@@ -48,7 +48,7 @@ from tau2.registry import registry  # noqa: E402
 from tau2.user.user_simulator import SYSTEM_PROMPT, get_global_user_sim_guidelines  # noqa: E402
 
 from muajax.envs import tau2_eval  # noqa: E402
-from muajax.envs.base import Environment, EnvSession, Evaluation, Observation, Task, ToolCall  # noqa: E402
+from muajax.envs.base import Environment, call_shape_problem, EnvSession, Evaluation, Observation, Task, ToolCall  # noqa: E402
 from muajax.envs.general_tools import GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, run_general_tool  # noqa: E402
 
 DOMAINS = ("retail", "airline", "telecom")
@@ -341,10 +341,5 @@ class Tau2Session(EnvSession):
 
 
 def _malformed(call: Any) -> str | None:
-    if not isinstance(call, ToolCall):
-        return f"Error: expected a ToolCall, got {type(call).__name__}"
-    if not isinstance(call.name, str) or not call.name:
-        return "Error: the tool call has no name"
-    if not isinstance(call.arguments, dict):
-        return f"Error: arguments of {call.name!r} must be a JSON object, got {type(call.arguments).__name__}"
-    return None
+    problem = call_shape_problem(call)
+    return None if problem is None else f"Error: {problem}"
