@@ -170,7 +170,7 @@ class EnvConfig:
     # The built-in database's size: many distinct users (names, zips, ids) make a tiny model
     # learn to copy from the conversation rather than memorise the few it saw.
     builtin_users: int = bounded(60, ge=2, le=300)
-    builtin_test_users: int = bounded(12, ge=1)
+    builtin_test_users: int = bounded(12, ge=0)  # 0: shared users, held-out tasks
     builtin_train_tasks: int = bounded(200, ge=1)
     builtin_test_tasks: int = bounded(50, ge=1)
     bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
@@ -281,6 +281,13 @@ class SFTConfig:
     # scratch (the embedded default). 0 for pretrained checkpoints.
     copy_warmup_steps: int = bounded(0, ge=0)
     copy_warmup_length: int = bounded(256, ge=4)
+    # Steps on short windows of the built-in domain's expert conversations in *other* shops
+    # (other database seeds), each ending at a tool call, before the SFT data: dense practice
+    # at copying names, zips and ids into calls, which a model trained from scratch lacks
+    # (muajax.envs.builtin.warmup). Built-in domain only; 0 for pretrained checkpoints.
+    domain_warmup_steps: int = bounded(0, ge=0)
+    domain_warmup_batch_size: int = bounded(32, ge=1)
+    domain_warmup_shops: int = bounded(8, ge=1)
 
     def validate(self) -> None:
         check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",
@@ -339,6 +346,8 @@ class TrainConfig:
         check("sft" not in self.run.stages or self.sft.data is not None or self.env.domain == "builtin",
               "sft.data", "is required when run.stages includes 'sft' (only the built-in domain has an expert "
               "to synthesize it)")
+        check(not self.sft.domain_warmup_steps or self.env.domain == "builtin", "sft.domain_warmup_steps",
+              f"needs env.domain 'builtin' (its windows come from the built-in shop), got {self.env.domain!r}")
         # The group std is undefined for one rollout, so every advantage would be 0.
         check("grpo" not in self.run.stages or r.n_per_task >= 2, "rollout.n_per_task",
               f"must be >= 2 for GRPO's group advantages, got {r.n_per_task}")

@@ -134,6 +134,13 @@ def domain_ids(env: Environment, tokenizer) -> set[int]:
     return ids
 
 
+def warmup_windows(cfg: TrainConfig) -> list[list[dict]]:
+    """The built-in domain's warm-up windows for this run (`sft.domain_warmup_*`)."""
+    from muajax.envs.builtin.warmup import warmup_windows as windows
+
+    return windows(cfg.env.builtin_seed, shops=cfg.sft.domain_warmup_shops)
+
+
 def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokenizer=None):
     """(Qwen3Config, tokenizer, hf_dir or None). A domain vocabulary is built once and
     saved in the run directory, so a resumed run reads back the same ids."""
@@ -159,7 +166,13 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
         if os.path.isfile(path):
             vocab = DomainVocab.load(path)
         else:
-            vocab = DomainVocab.from_texts(tokenizer, (), extra_ids=domain_ids(env, tokenizer))
+            ids = domain_ids(env, tokenizer)
+            if cfg.sft.domain_warmup_steps and "sft" in cfg.run.stages:
+                from muajax.chat import render_messages_ids
+
+                for window in warmup_windows(cfg):
+                    ids.update(render_messages_ids(tokenizer, None, None, window)[0])
+            vocab = DomainVocab.from_texts(tokenizer, (), extra_ids=ids)
             if jax.process_index() == 0:
                 os.makedirs(run_dir, exist_ok=True)
                 vocab.save(path)

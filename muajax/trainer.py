@@ -192,7 +192,7 @@ class Trainer:
                 ckpt.close()
                 return state.params
         else:  # a fresh SFT stage: the copy warm-up (if any) comes first
-            start, state = 0, step_fn.init_state(self.copy_warmup(params))
+            start, state = 0, step_fn.init_state(self.domain_warmup(self.copy_warmup(params)))
         writer = MetricsWriter(os.path.join(self.run_dir, "sft"), tensorboard=self.cfg.metrics.tensorboard,
                                is_main_process=self.main, resume_step=start if self.resume else None)
         bar = ProgressBar(total, initial=start, enabled=self.cfg.metrics.progress_bar, is_main_process=self.main)
@@ -227,22 +227,52 @@ class Trainer:
         special = {self.tok_pad, im_end_id(self.tok), getattr(getattr(self.tok, "vocab", None), "unk_id", -1)}
         size = len(self.tok) if hasattr(self.tok, "vocab") else self.model_cfg.vocab_size
         ids = [i for i in range(min(size, self.model_cfg.vocab_size)) if i not in special]
-        optimizer = optimizer_from_config(s, total_steps=s.copy_warmup_steps)
-        step_fn = make_sft_step(self.model_cfg, optimizer, self.mesh)
-        state = step_fn.init_state(params)
         rng = np.random.default_rng([self.cfg.run.seed, 31337])
-        divisor = _batch_divisor(self.mesh, 1)
-        first = last = None
-        for _ in range(s.copy_warmup_steps):
-            batch = self._pad_batch(copy_warmup_batch(rng, ids, s.batch_size, s.copy_warmup_length), divisor)
-            state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
-            last = float(jax.device_get(metrics["nll"]))
-            first = last if first is None else first
+        params, first, last = self._warmup(params, s.copy_warmup_steps,
+                                           lambda: copy_warmup_batch(rng, ids, s.batch_size, s.copy_warmup_length))
         if self.main:
             print(f"[sft] copy warm-up: {s.copy_warmup_steps} steps, nll on the repeated span "
                   f"{first:.3f} -> {last:.3f}", flush=True)
         self.summary["copy_warmup_nll"] = last
-        return state.params
+        return params
+
+    def domain_warmup(self, params):
+        """`sft.domain_warmup_steps` on short windows of the built-in expert's conversations
+        in other shops, each ending at a tool call (`muajax.envs.builtin.warmup`): loss on the
+        assistant's tokens, rows drawn with a seeded generator."""
+        s = self.cfg.sft
+        if not s.domain_warmup_steps:
+            return params
+        rows = [render_messages_ids(self.tok, None, None, w) for w in runtime.warmup_windows(self.cfg)]
+        length = -(-max(len(ids) for ids, _ in rows) // 64) * 64
+        rng = np.random.default_rng([self.cfg.run.seed, 4242])
+        size = min(s.domain_warmup_batch_size, len(rows))
+
+        def batch():
+            return _sft_batch([rows[i] for i in rng.choice(len(rows), size, replace=False)], self.tok_pad, length)
+
+        params, first, last = self._warmup(params, s.domain_warmup_steps, batch)
+        if self.main:
+            print(f"[sft] domain warm-up: {s.domain_warmup_steps} steps on {len(rows)} tool-call windows from "
+                  f"{s.domain_warmup_shops} other shops, assistant nll {first:.3f} -> {last:.3f}", flush=True)
+        self.summary["domain_warmup_nll"] = last
+        return params
+
+    def _warmup(self, params, steps: int, make_batch):
+        """(params, first nll, last nll) after `steps` SFT steps on `make_batch()` batches,
+        with a fresh optimizer on the SFT schedule (its state is not kept)."""
+        s = self.cfg.sft
+        optimizer = optimizer_from_config(s, total_steps=steps)
+        step_fn = make_sft_step(self.model_cfg, optimizer, self.mesh)
+        state = step_fn.init_state(params)
+        divisor = _batch_divisor(self.mesh, 1)
+        first = last = None
+        for _ in range(steps):
+            batch = self._pad_batch(make_batch(), divisor)
+            state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
+            last = float(jax.device_get(metrics["nll"]))
+            first = last if first is None else first
+        return state.params, first, last
 
     # ------------------------------------------------------------------ GRPO
     def run_grpo(self, params):

@@ -183,6 +183,37 @@ def test_copy_warmup_teaches_copying_and_is_seeded(tmp_path, capsys):
     assert off.copy_warmup(params) is params
 
 
+def test_domain_warmup_learns_its_windows_is_seeded_and_needs_the_builtin_domain(tmp_path, capsys):
+    import re
+
+    from muajax.config import ConfigError
+
+    overrides = [f"run.out_dir={tmp_path}", "run.stages=[sft]", "model.vocab=domain",
+                 "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1,"
+                 " head_dim: 16, max_position_embeddings: 2048}",
+                 "env.builtin_users=12", "env.builtin_test_users=2", "env.builtin_train_tasks=20",
+                 "env.builtin_test_tasks=4", "sft.domain_warmup_steps=30", "sft.domain_warmup_shops=1",
+                 "sft.domain_warmup_batch_size=16", "sft.learning_rate=1e-2", "sft.warmup_ratio=0.1",
+                 "rollout.max_context=1024", "rollout.max_new_tokens_per_turn=16", "metrics.progress_bar=false"]
+    trainer = Trainer(load_config(None, overrides))
+    # the run's vocabulary covers the other shops' windows: no id of theirs maps to UNK
+    unk = trainer.tok.vocab.unk_id
+    windows = runtime.warmup_windows(trainer.cfg)
+    assert len(windows) > 100
+    assert all(unk not in render_messages_ids(trainer.tok, None, None, w)[0] for w in windows)
+    params = runtime.initial_params(trainer.model_cfg, None, trainer.mesh, 0)
+    warmed = trainer.domain_warmup(params)
+    first, last = map(float, re.search(r"assistant nll ([\d.]+) -> ([\d.]+)", capsys.readouterr().out).groups())
+    assert last < 0.5 * first, (first, last)  # from ~ln(vocab) to the calls' fixed format and beyond
+    again = Trainer(load_config(None, overrides), tokenizer=trainer.tok)
+    assert params_fingerprint(again.domain_warmup(params)) == params_fingerprint(warmed)
+    off = Trainer(load_config(None, [o for o in overrides if not o.startswith("sft.domain_warmup_steps")]),
+                  tokenizer=trainer.tok)
+    assert off.domain_warmup(params) is params
+    with pytest.raises(ConfigError, match="sft.domain_warmup_steps"):
+        load_config(None, ["env.domain=retail", "sft.data=x.jsonl", "sft.domain_warmup_steps=10"])
+
+
 # --------------------------------------------------------------------------- kill -9, then resume
 
 

@@ -84,6 +84,21 @@ def test_bad_inputs_to_environment_are_rejected():
         env.reset(Task("x", "retail", "hi", "scenario"))
 
 
+def test_shared_users_still_hold_out_every_test_task():
+    env = BuiltinEnvironment(n_users=12, n_test_users=0, n_train_tasks=150, n_test_tasks=40)
+    assert env.test_users == env.train_users == tuple(sorted(env.fresh_db()["users"]))
+
+    def what(task):  # the scenario and gold calls pin down a task; ids differ by split
+        return task.user_scenario, tuple((c.name, json.dumps(c.arguments, sort_keys=True)) for c in task.gold_actions)
+
+    train = {what(t) for t in env.tasks("train")}
+    test = [what(t) for t in env.tasks("test")]
+    assert len(set(test)) == 40 and not train & set(test)
+    # with held-out users the same generator gives other tasks (the split no longer shares customers)
+    split = BuiltinEnvironment(n_users=12, n_test_users=3, n_train_tasks=150, n_test_tasks=40)
+    assert {t.metadata["user_id"] for t in split.tasks("test")} == set(split.test_users)
+
+
 # -- reward ---------------------------------------------------------------------------------
 
 def test_gold_replay_scores_one_on_every_task(env):

@@ -172,19 +172,22 @@ class BuiltinEnvironment(Environment):
 
     def __init__(self, seed: int = 0, n_users: int = 60, n_test_users: int = 12,
                  n_train_tasks: int = 200, n_test_tasks: int = 50, terse_tools: bool = False):
-        if not isinstance(n_test_users, int) or not 1 <= n_test_users < n_users:
-            raise ValueError(f"n_test_users must be in [1, n_users), got {n_test_users!r} with n_users={n_users!r}")
+        if not isinstance(n_test_users, int) or not 0 <= n_test_users < n_users:
+            raise ValueError(f"n_test_users must be in [0, n_users), got {n_test_users!r} with n_users={n_users!r}")
         self.seed = seed
         self.terse_tools = terse_tools
         self._db = generate_database(seed, n_users)
         self._db_bytes = pickle.dumps(self._db, protocol=pickle.HIGHEST_PROTOCOL)
         users = sorted(self._db["users"])
         order = random.Random(f"{seed}:users").sample(users, len(users))
-        self.test_users = tuple(sorted(order[:n_test_users]))
+        # n_test_users=0 shares every user between the splits: test tasks are then held out
+        # as tasks (no train task's signature), not as customers.
+        self.test_users = tuple(sorted(order[:n_test_users])) if n_test_users else tuple(users)
         self.train_users = tuple(sorted(order[n_test_users:]))
+        seen: set[tuple] = set()
         self._tasks = {
-            "train": generate_tasks(self._db, self.train_users, "train", n_train_tasks, seed),
-            "test": generate_tasks(self._db, self.test_users, "test", n_test_tasks, seed),
+            "train": generate_tasks(self._db, self.train_users, "train", n_train_tasks, seed, seen),
+            "test": generate_tasks(self._db, self.test_users, "test", n_test_tasks, seed, seen),
         }
         self._gold_hashes: dict[str, str] = {}
 

@@ -1,7 +1,10 @@
 """Deterministic train/test tasks for the built-in domain.
 
 Test tasks use held-out users (hence held-out orders), so no test user, order or
-(user, order, variant) combination ever appears in training. Change-of-mind kinds open
+(user, order, variant) combination ever appears in training. A domain may instead share
+its users between the splits; then `exclude` carries the training tasks' signatures, so a
+test task is still one that training never saw (the same user, another order, action,
+variant or address). Change-of-mind kinds open
 with exactly the same first message as their plain twins: an agent can only tell them
 apart by listing the options and waiting for the user's explicit yes.
 """
@@ -128,14 +131,18 @@ def kind_counts(n: int) -> dict[str, int]:
     return counts
 
 
-def generate_tasks(db: dict[str, Any], user_ids: Sequence[str], split: str, n: int, seed: int) -> list[Task]:
-    """n distinct tasks over `user_ids`, spread round-robin so every user is used."""
+def generate_tasks(db: dict[str, Any], user_ids: Sequence[str], split: str, n: int, seed: int,
+                   seen: set[tuple] | None = None) -> list[Task]:
+    """n distinct tasks over `user_ids`, spread round-robin so every user is used.
+
+    `seen` holds the signatures of tasks to avoid; it is updated with the new ones, so one
+    set passed to the train then the test split keeps the two disjoint."""
     if n < 1:
         raise ValueError(f"a split needs at least one task, got n={n}")
     rng = random.Random(f"{seed}:{split}")
     kinds = [k for k, c in kind_counts(n).items() for _ in range(c)]
     rng.shuffle(kinds)
-    seen: set[tuple] = set()
+    seen = set() if seen is None else seen
     tasks: list[Task] = []
     for i, kind in enumerate(kinds):
         for attempt in range(200):
