@@ -195,12 +195,12 @@ def plan_decode(args, cfg, mesh) -> dict:
     from jax.sharding import NamedSharding
 
     from muajax import parallel
-    from muajax.models.qwen3 import CACHE_AXES, KVCache, forward
+    from muajax.models.qwen3 import CACHE_AXES, KVCache, cache_shape, forward
     from muajax.rl.step import model_abstract_params
 
     slots = args.decode_slots or args.batch
     max_len = args.decode_len or args.seq
-    shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = cache_shape(cfg, slots, max_len)
     kv_sh = NamedSharding(mesh, parallel.logical_to_spec(shape, CACHE_AXES, mesh))
     len_sh = NamedSharding(mesh, parallel.logical_to_spec((slots,), ("cache_batch",), mesh))
     cache = KVCache(jax.ShapeDtypeStruct(shape, cfg.compute_dtype, sharding=kv_sh),

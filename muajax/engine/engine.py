@@ -232,6 +232,22 @@ class Engine:
         self.stats["device_s"] += time.perf_counter() - start
         return out
 
+    def _layer_views(self) -> list | None:
+        """Each layer's weights as its own array, aliasing `self.params` (no copy), or None.
+
+        XLA on CPU copies a slice of a stacked weight before a dot can read it: every
+        decode step would copy all the layer weights. On a single CPU device a numpy view
+        of one layer, put on the device, shares the parameter's memory instead. Made per
+        call and dropped after it: a live view would stop a train step from donating the
+        params. Elsewhere (a mesh, an accelerator) the decode step slices for itself."""
+        leaves, treedef = jax.tree.flatten(self.params["layers"])
+        if self.mesh is not None or not all(isinstance(x, jax.Array) and len(x.devices()) == 1
+                                            and next(iter(x.devices())).platform == "cpu" for x in leaves):
+            return None
+        device = next(iter(leaves[0].devices()))
+        hosts = [np.asarray(x) for x in leaves]
+        return [treedef.unflatten([jax.device_put(h[i], device) for h in hosts]) for i in range(self.cfg.num_layers)]
+
     def _decode(self, running: list[int]) -> list[Generation]:
         rows = self._rows(running)
         n = len(rows)
@@ -248,8 +264,8 @@ class Engine:
             seeds[i] = state.seed
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
             budget[i] = sp.max_new_tokens - len(state.tokens)
-        out = self._run(self._decode_fn, *(jnp.asarray(a) for a in (rows, last, seeds, temperature, top_p, top_k,
-                                                                     budget, self.stop_ids)))
+        out = self._run(self._decode_fn, self._layer_views(),
+                        *(jnp.asarray(a) for a in (rows, last, seeds, temperature, top_p, top_k, budget, self.stop_ids)))
         tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(counts.max())
@@ -284,12 +300,16 @@ def _extend(cfg, shardings, params, cache, rows, tokens, num_new):
     return kv_cache.constrain(kv_cache.put_rows(cache, rows, sub), shardings), None
 
 
-def _decode_chunk(cfg, steps, shardings, params, cache, rows, last, seeds, temperature, top_p, top_k, budget,
-                  stop_ids):
-    """Up to `steps` decode steps for the rows; stops early once every row is done."""
-    sub = kv_cache.take_rows(cache, rows)
+def _decode_chunk(cfg, steps, shardings, params, cache, layer_params, rows, last, seeds, temperature, top_p, top_k,
+                  budget, stop_ids):
+    """Up to `steps` decode steps for the rows; stops early once every row is done.
+
+    The rows' cache is taken per layer (one buffer each) and the layers run unrolled, so a
+    step slices nothing out of a stacked array (see `forward`): `layer_params` are the
+    per-layer weights, or None to slice them from `params` inside the step."""
+    sub = kv_cache.take_layer_rows(cache, rows)
     batch = rows.shape[0]
-    max_len = cache.k.shape[2]
+    max_len = cache.max_len
     keys = jax.vmap(jax.random.key)(seeds)
     active = (rows < cache.lengths.shape[0]) & (budget > 0) & (sub.lengths < max_len)
     out_tokens = jnp.zeros((batch, steps), jnp.int32)
@@ -305,7 +325,7 @@ def _decode_chunk(cfg, steps, shardings, params, cache, rows, last, seeds, tempe
     def body(carry):
         step, sub, active, last, out_tokens, out_logprobs, counts, reasons = carry
         logits, sub = forward(params, cfg, last[:, None], cache=sub, num_new=active.astype(jnp.int32),
-                              logits_index=jnp.zeros((batch, 1), jnp.int32))
+                              logits_index=jnp.zeros((batch, 1), jnp.int32), layer_params=layer_params)
         # a conversation's key depends only on its seed and the position being sampled
         step_keys = jax.vmap(jax.random.fold_in)(keys, sub.lengths)
         token, logprob = sample_tokens(logits[:, 0], step_keys, temperature, top_p, top_k)
@@ -320,5 +340,5 @@ def _decode_chunk(cfg, steps, shardings, params, cache, rows, last, seeds, tempe
 
     carry = (jnp.int32(0), sub, active, last, out_tokens, out_logprobs, counts, reasons)
     _, sub, _, _, out_tokens, out_logprobs, counts, reasons = jax.lax.while_loop(cond, body, carry)
-    cache = kv_cache.constrain(kv_cache.put_rows(cache, rows, sub), shardings)
+    cache = kv_cache.constrain(kv_cache.put_layer_rows(cache, rows, sub), shardings)
     return cache, (out_tokens, out_logprobs, counts, reasons)

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from muajax import parallel
-from muajax.models.qwen3 import CACHE_AXES, KVCache, Qwen3Config
+from muajax.models.qwen3 import CACHE_AXES, KVCache, Qwen3Config, cache_shape
 
 
 def cache_shardings(cfg: Qwen3Config, num_slots: int, max_len: int, mesh: Mesh) -> KVCache:
-    shape = (cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = cache_shape(cfg, num_slots, max_len)
     kv = NamedSharding(mesh, parallel.logical_to_spec(shape, CACHE_AXES, mesh))
     lengths = NamedSharding(mesh, parallel.logical_to_spec((num_slots,), ("cache_batch",), mesh))
     return KVCache(kv, kv, lengths)
@@ -24,7 +24,7 @@ def cache_shardings(cfg: Qwen3Config, num_slots: int, max_len: int, mesh: Mesh) 
 
 def allocate(cfg: Qwen3Config, num_slots: int, max_len: int, mesh: Mesh | None, dtype=None) -> KVCache:
     dtype = cfg.compute_dtype if dtype is None else dtype
-    shape = (cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = cache_shape(cfg, num_slots, max_len)
 
     def zeros():
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((num_slots,), jnp.int32))
@@ -40,6 +40,23 @@ def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
         jnp.take(cache.v, rows, axis=1, mode="clip"),
         jnp.take(cache.lengths, rows, axis=0, mode="clip"),
     )
+
+
+def take_layer_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+    """`take_rows`, as a per-layer cache (`KVCache.per_layer`): one buffer per layer."""
+    def take(stacked):
+        return tuple(jnp.take(stacked[i], rows, axis=0, mode="clip") for i in range(stacked.shape[0]))
+
+    return KVCache(take(cache.k), take(cache.v), jnp.take(cache.lengths, rows, axis=0, mode="clip"))
+
+
+def put_layer_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:
+    def put(stacked, layers):
+        for i, layer in enumerate(layers):
+            stacked = stacked.at[i, rows].set(layer, mode="drop")
+        return stacked
+
+    return KVCache(put(cache.k, sub.k), put(cache.v, sub.v), cache.lengths.at[rows].set(sub.lengths, mode="drop"))
 
 
 def put_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:

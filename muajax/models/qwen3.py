@@ -21,7 +21,9 @@ scatters its chunk into it at its own layer index: XLA updates the (donated) buf
 place. Passing per-layer slices as the scan's xs/ys instead re-stacks the outputs, a copy
 of the whole cache per call, most of a small model's decode step. Differentiated callers
 (`forward_shared_prefix`) keep the xs/ys form: under autodiff and remat a carried cache
-would be saved whole at every layer.
+would be saved whole at every layer. The engine's decode loop uses a third form
+(`KVCache.per_layer`): layers unrolled over separate per-layer cache and weight buffers,
+because XLA on CPU copies any slice of a stacked array that feeds a dot.
 """
 from __future__ import annotations
 
@@ -90,7 +92,11 @@ class Qwen3Config:
 
 
 class KVCache(NamedTuple):
-    """k, v: [layers, batch, max_len, kv_heads, head_dim]; lengths: [batch] valid tokens per row."""
+    """k, v: [layers, batch, kv_heads, max_len, head_dim]; lengths: [batch] valid tokens per row.
+
+    Heads come before positions so that one layer's keys and values are already in the
+    [batch, kv_heads, positions, head_dim] layout the attention dots consume: with
+    positions first, XLA transposed every layer's whole cache on every decode step."""
 
     k: jax.Array
     v: jax.Array
@@ -98,15 +104,24 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-2]
+
+    @property
+    def per_layer(self) -> bool:
+        """k and v are tuples of per-layer [batch, kv_heads, max_len, head_dim] arrays."""
+        return isinstance(self.k, tuple)
 
 
-CACHE_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim")
+CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim")
+
+
+def cache_shape(cfg: Qwen3Config, batch: int, max_len: int) -> tuple[int, ...]:
+    return (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
 
 
 def init_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     dtype = cfg.compute_dtype if dtype is None else dtype
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = cache_shape(cfg, batch, max_len)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
@@ -167,7 +182,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry: LayerCarry, layer_cache: tuple[jax.Array, jax.Array] | None, ctx: AttentionContext):
-        """`layer_cache`: this layer's (k, v) [B, S, K, H] slice as a scan x (returned updated as
+        """`layer_cache`: this layer's (k, v) [B, K, S, H] slice as a scan x (returned updated as
         the scan y), or None: no cache, or the stacked cache in `carry` (updated in place)."""
         cfg = self.cfg
         x, stacked = carry.x, carry.stacked
@@ -206,7 +221,7 @@ class DecoderLayer(nn.Module):
             new_cache = (keys, values)
             keys, values = keys.astype(dt), values.astype(dt)
         else:
-            keys, values = kk, vv
+            keys, values = kk.transpose(0, 2, 1, 3), vv.transpose(0, 2, 1, 3)
 
         attn = _attention(q, keys, values, ctx, cfg)
         x = x + jnp.einsum("BTNH,NHD->BTD", attn, wo.astype(dt))
@@ -222,11 +237,12 @@ class DecoderLayer(nn.Module):
 
 
 def _write_cache(layer_cache, k_new, v_new, write_index):
-    """Scatter the chunk's k/v into each row at that row's own offsets; padding is dropped."""
+    """Scatter the chunk's k/v [B, T, K, H] into each row at that row's own offsets; padding
+    is dropped. (Indices split by a slice put their broadcast dims [B, T] first.)"""
     k_cache, v_cache = layer_cache
     rows = jnp.arange(k_new.shape[0])[:, None]
-    k_cache = k_cache.at[rows, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[rows, :, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, :, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
     return k_cache, v_cache
 
 
@@ -234,23 +250,26 @@ def _write_stacked(stacked, layer, k_new, v_new, write_index):
     """`_write_cache` into layer `layer` of the whole stacked cache (an in-place scatter)."""
     k_cache, v_cache = stacked
     rows = jnp.arange(k_new.shape[0])[:, None]
-    k_cache = k_cache.at[layer, rows, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, rows, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[layer, rows, :, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, rows, :, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
     return k_cache, v_cache
 
 
 def _attention(q, keys, values, ctx: AttentionContext, cfg: Qwen3Config) -> jax.Array:
+    """q [B, T, N, H]; keys, values [B, K, S, H]."""
     b, t, n, h = q.shape
     kv = cfg.num_kv_heads
     q = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, keys, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
-    key_index = jnp.arange(keys.shape[1])
+    key_index = jnp.arange(keys.shape[2])
     allowed = (key_index[None, None, :] <= ctx.q_index[:, :, None]) & ctx.kv_valid[:, None, :]
     scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values)
-    return out.reshape(b, t, n, h)
+    # the dot's natural output order: asked for [B, T, K, G, H], XLA swapped the operands into
+    # a form its fast CPU dot path does not take
+    out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, values)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _remat_policy(name: str):
@@ -273,7 +292,7 @@ class Qwen3(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, ctx: AttentionContext, cache_kv, logits_index=None, return_hidden=False,
-                 in_place=False):
+                 in_place=False, layer_params=None):
         cfg = self.cfg
         dt = cfg.compute_dtype
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("embed_vocab", "embed"), nn.initializers.normal(0.02))
@@ -291,7 +310,16 @@ class Qwen3(nn.Module):
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
-        if in_place and cache_kv is not None:
+        if layer_params is not None:  # unrolled over per-layer weights and caches (see `forward`)
+            new_cache = ([], [])
+            for index, (weights, k, v) in enumerate(zip(layer_params, *cache_kv)):
+                carry, (k, v) = DecoderLayer(cfg).apply({"params": weights}, LayerCarry(x, None, jnp.int32(index)),
+                                                         (k, v), ctx)
+                x = carry.x
+                new_cache[0].append(k)
+                new_cache[1].append(v)
+            new_cache = tuple(map(tuple, new_cache))
+        elif in_place and cache_kv is not None:
             carry, _ = stack(LayerCarry(x, cache_kv, jnp.int32(0)), None, ctx)
             x, new_cache = carry.x, carry.stacked
         else:
@@ -344,6 +372,7 @@ def forward(
     logits_index: jax.Array | None = None,
     return_hidden: bool = False,
     in_place: bool = True,
+    layer_params: list | None = None,
 ):
     """Run the model. Returns (logits [B, T or P, V], new cache or None).
 
@@ -354,6 +383,12 @@ def forward(
     `logits_index` [B, P] picks the positions whose logits are wanted.
     `in_place=False` moves the cache through the layers as per-layer slices: the same
     numbers, but cheap to differentiate (see the module docstring).
+
+    A per-layer cache (`KVCache.per_layer`) runs the layers unrolled, each on its own
+    weights and cache buffers, so nothing is sliced out of a stacked array per call: XLA
+    on CPU copies every dynamic slice that feeds a dot, which in a decode loop is a copy
+    of all the weights per token. `layer_params` (default `split_layers(params)`) gives
+    the weights; pass ones that are already separate buffers to avoid even static slices.
     """
     model = Qwen3(cfg)
     b, t = tokens.shape
@@ -366,9 +401,16 @@ def forward(
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)
+    if cache.per_layer and layer_params is None:
+        layer_params = split_layers(params, cfg.num_layers)
     out, (k, v) = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index, return_hidden,
-                              in_place)
+                              in_place, layer_params if cache.per_layer else None)
     return out, KVCache(k, v, cache.lengths + num_new.astype(jnp.int32))
+
+
+def split_layers(params, num_layers: int) -> list:
+    """Layer i's weights of the stacked `params["layers"]`, as a list of per-layer trees."""
+    return [jax.tree.map(lambda p, i=i: p[i], params["layers"]) for i in range(num_layers)]
 
 
 def forward_shared_prefix(params, cfg: Qwen3Config, tokens: jax.Array, prefix_len: int) -> jax.Array:

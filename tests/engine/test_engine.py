@@ -81,7 +81,7 @@ def test_multiturn_cache_equals_one_full_forward_and_reuse_is_clean(model):
     reference.flush()
     n = len(sequence)
     for got, want in ((engine.cache.k, reference.cache.k), (engine.cache.v, reference.cache.v)):
-        np.testing.assert_allclose(np.asarray(got[:, slot, :n]), np.asarray(want[:, ref_slot, :n]), atol=2e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(got[:, slot, :, :n]), np.asarray(want[:, ref_slot, :, :n]), atol=2e-5, rtol=0)
 
     # A reused slot must behave exactly like a fresh engine.
     engine.release(slot)

@@ -159,3 +159,25 @@ def test_in_place_cache_equals_per_layer_slices(checkpoint):
         np.testing.assert_array_equal(np.asarray(outs[True]), np.asarray(outs[False]))
         for a, b in zip(caches[True], caches[False]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unrolled_per_layer_cache_equals_stacked(checkpoint):
+    """The decode loop's form (`KVCache.per_layer`: layers unrolled, one cache buffer and one
+    weight tree each) computes what the stacked cache computes, extend and decode alike."""
+    from muajax.models.qwen3 import KVCache, split_layers
+
+    params, cfg = load_params(checkpoint)
+    rng = np.random.RandomState(5)
+    stacked = init_cache(cfg, batch=2, max_len=16)
+    layered = KVCache(tuple(stacked.k), tuple(stacked.v), stacked.lengths)
+    weights = split_layers(params, cfg.num_layers)
+    for width, num_new in ((6, [6, 4]), (1, [1, 1]), (3, [0, 3])):
+        chunk = jnp.asarray(rng.randint(0, cfg.vocab_size, (2, width)), jnp.int32)
+        num_new = jnp.asarray(num_new)
+        want, stacked = forward(params, cfg, chunk, cache=stacked, num_new=num_new)
+        got, layered = forward(params, cfg, chunk, cache=layered, num_new=num_new,
+                               layer_params=weights if width > 1 else None)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.stack(layered.k), np.asarray(stacked.k), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.stack(layered.v), np.asarray(stacked.v), atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(np.asarray(layered.lengths), np.asarray(stacked.lengths))
