@@ -239,14 +239,15 @@ class Engine:
         decode step would copy all the layer weights. On a single CPU device a numpy view
         of one layer, put on the device, shares the parameter's memory instead. Made per
         call and dropped after it: a live view would stop a train step from donating the
-        params. Elsewhere (a mesh, an accelerator) the decode step slices for itself."""
+        params. Elsewhere (a mesh, an accelerator) the decode step scans the stacked layers."""
         leaves, treedef = jax.tree.flatten(self.params["layers"])
         if self.mesh is not None or not all(isinstance(x, jax.Array) and len(x.devices()) == 1
                                             and next(iter(x.devices())).platform == "cpu" for x in leaves):
             return None
-        device = next(iter(leaves[0].devices()))
-        hosts = [np.asarray(x) for x in leaves]
-        return [treedef.unflatten([jax.device_put(h[i], device) for h in hosts]) for i in range(self.cfg.num_layers)]
+        hosts, layers = [np.asarray(x) for x in leaves], self.cfg.num_layers
+        # one device_put for all the views: per-array calls cost ~2x as much host time
+        flat = jax.device_put([h[i] for i in range(layers) for h in hosts], next(iter(leaves[0].devices())))
+        return [treedef.unflatten(flat[i * len(hosts):(i + 1) * len(hosts)]) for i in range(layers)]
 
     def _decode(self, running: list[int]) -> list[Generation]:
         rows = self._rows(running)
@@ -264,8 +265,8 @@ class Engine:
             seeds[i] = state.seed
             temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
             budget[i] = sp.max_new_tokens - len(state.tokens)
-        out = self._run(self._decode_fn, self._layer_views(),
-                        *(jnp.asarray(a) for a in (rows, last, seeds, temperature, top_p, top_k, budget, self.stop_ids)))
+        host_args = (rows, last, seeds, temperature, top_p, top_k, budget, self.stop_ids)
+        out = self._run(self._decode_fn, self._layer_views(), *(jnp.asarray(a) for a in host_args))
         tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(counts.max())
@@ -304,10 +305,12 @@ def _decode_chunk(cfg, steps, shardings, params, cache, layer_params, rows, last
                   budget, stop_ids):
     """Up to `steps` decode steps for the rows; stops early once every row is done.
 
-    The rows' cache is taken per layer (one buffer each) and the layers run unrolled, so a
-    step slices nothing out of a stacked array (see `forward`): `layer_params` are the
-    per-layer weights, or None to slice them from `params` inside the step."""
-    sub = kv_cache.take_layer_rows(cache, rows)
+    With `layer_params` (per-layer weight buffers, see `Engine._layer_views`) the rows'
+    cache is also taken per layer and the layers run unrolled, so a step slices nothing
+    out of a stacked array (see `forward`). Without, the layer scan over the stacked
+    params and cache, which accelerators read in place."""
+    per_layer = layer_params is not None
+    sub = (kv_cache.take_layer_rows if per_layer else kv_cache.take_rows)(cache, rows)
     batch = rows.shape[0]
     max_len = cache.max_len
     keys = jax.vmap(jax.random.key)(seeds)
@@ -340,5 +343,6 @@ def _decode_chunk(cfg, steps, shardings, params, cache, layer_params, rows, last
 
     carry = (jnp.int32(0), sub, active, last, out_tokens, out_logprobs, counts, reasons)
     _, sub, _, _, out_tokens, out_logprobs, counts, reasons = jax.lax.while_loop(cond, body, carry)
-    cache = kv_cache.constrain(kv_cache.put_layer_rows(cache, rows, sub), shardings)
+    cache = kv_cache.constrain((kv_cache.put_layer_rows if per_layer else kv_cache.put_rows)(cache, rows, sub),
+                               shardings)
     return cache, (out_tokens, out_logprobs, counts, reasons)

@@ -47,6 +47,22 @@ def full_logprobs(params, cfg, sequence, temperature):
     return np.asarray([logp[i - 1, sequence[i]] for i in range(1, len(sequence))])
 
 
+
+def test_stacked_decode_equals_per_layer_views(model):
+    """Without per-layer weight views (a mesh, an accelerator) decode scans the stacked
+    layers: same tokens and logprobs as the unrolled CPU form."""
+    _, params, cfg = model
+    out = {}
+    for views in (True, False):
+        engine = Engine(params, cfg, num_slots=2, max_len=64, stop_ids=(STOP,), decode_chunk=8)
+        if not views:
+            engine._layer_views = lambda: None
+        slots = [engine.open(p, seed=i) for i, p in enumerate(prompts(8, (6, 13)))]
+        out[views] = engine.generate(slots, SamplingParams(temperature=1.0, max_new_tokens=20))
+    for slot in out[True]:
+        assert out[False][slot].tokens == out[True][slot].tokens
+        np.testing.assert_allclose(out[False][slot].logprobs, out[True][slot].logprobs, atol=1e-5)
+
 def test_sampled_logprobs_equal_full_forward(model):
     _, params, cfg = model
     engine = Engine(params, cfg, num_slots=3, max_len=96, stop_ids=(STOP,), decode_chunk=5)
