@@ -244,12 +244,20 @@ class Trainer:
         if not s.domain_warmup_steps:
             return params
         rows = [render_messages_ids(self.tok, None, None, w) for w in runtime.warmup_windows(self.cfg)]
-        length = -(-max(len(ids) for ids, _ in rows) // 64) * 64
+        # Windows run from ~50 to ~300 tokens: each batch comes from one length bucket, so
+        # padding stays small and there is one compilation per bucket.
+        buckets: dict[int, list[int]] = {}
+        for i, (ids, _) in enumerate(rows):
+            buckets.setdefault(-(-len(ids) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, []).append(i)
+        lengths = sorted(buckets)
+        weights = np.array([len(buckets[n]) for n in lengths], np.float64)
         rng = np.random.default_rng([self.cfg.run.seed, 4242])
-        size = min(s.domain_warmup_batch_size, len(rows))
 
         def batch():
-            return _sft_batch([rows[i] for i in rng.choice(len(rows), size, replace=False)], self.tok_pad, length)
+            length = lengths[rng.choice(len(lengths), p=weights / weights.sum())]
+            pool = buckets[length]
+            chosen = rng.choice(pool, s.domain_warmup_batch_size, replace=len(pool) < s.domain_warmup_batch_size)
+            return _sft_batch([rows[i] for i in chosen], self.tok_pad, length)
 
         params, first, last = self._warmup(params, s.domain_warmup_steps, batch)
         if self.main:

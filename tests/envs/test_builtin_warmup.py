@@ -17,11 +17,12 @@ def test_windows_end_on_a_tool_call_and_open_on_a_user_turn():
         {"role": "assistant", "content": "Done."},
     ]
     windows = tool_call_windows(messages, context_messages=1)
-    # each window reaches back past its tool results to the nearest user turn
-    assert [(w[0]["content"], len(w), w[-1]["tool_calls"][0]["function"]["name"]) for w in windows] == [
-        ("Ann Ng, 12345", 2, "find_user"), ("Ann Ng, 12345", 4, "get_order")]
+    # the opening request, then the recent part, reaching back past tool results to a user turn
+    assert [[m["content"] for m in w] for w in windows] == [
+        ["Hi", "Ann Ng, 12345", ""], ["Hi", "Ann Ng, 12345", "", "{}", ""]]
+    assert windows[1][-1]["tool_calls"][0]["function"]["name"] == "get_order"
     wide = tool_call_windows(messages, context_messages=4)
-    assert [(w[0]["content"], len(w)) for w in wide] == [("Hi", 4), ("Hi", 6)]
+    assert [len(w) for w in wide] == [4, 6]  # the whole conversation so far: no request repeated
     assert tool_call_windows(messages[1:], context_messages=4)[0][0]["content"] == "Ann Ng, 12345"
     assert tool_call_windows([messages[3]], context_messages=4) == []  # no user turn: no window
 

@@ -29,10 +29,12 @@ def warmup_shop_seeds(run_seed: int, shops: int) -> list[int]:
 
 
 def tool_call_windows(messages: list[dict[str, Any]], context_messages: int) -> list[list[dict[str, Any]]]:
-    """One window per assistant tool call: the call, at least `context_messages` messages
-    before it where the conversation has them, and further back to the nearest user turn,
-    where every window opens. Opening forward instead would drop exactly the writes made
-    straight after tool results (the careless ones) and keep only writes after a "yes"."""
+    """One window per assistant tool call: the conversation's opening request, then the
+    call with at least `context_messages` messages before it (where the conversation has
+    them), reaching back to the nearest user turn. The request holds the ids a call needs
+    many turns later (the order, the product, the address); opening the recent part on a
+    user turn found going forward instead would drop exactly the writes made straight after
+    tool results (the careless ones) and keep only writes after a "yes"."""
     windows = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or not message.get("tool_calls"):
@@ -41,7 +43,8 @@ def tool_call_windows(messages: list[dict[str, Any]], context_messages: int) -> 
         if not users:
             continue
         reaching = [j for j in users if j <= i - context_messages]
-        windows.append(messages[(reaching[-1] if reaching else users[0]):i + 1])
+        start = reaching[-1] if reaching else users[0]
+        windows.append(messages[users[0]:users[0] + 1] * (start > users[0]) + messages[start:i + 1])
     return windows
 
 
