@@ -134,7 +134,7 @@ def domain_ids(env: Environment, tokenizer) -> set[int]:
     return ids
 
 
-def warmup_windows(cfg: TrainConfig) -> list[list[dict]]:
+def warmup_windows(cfg: TrainConfig) -> tuple[list[dict], ...]:
     """The built-in domain's warm-up windows for this run (`sft.domain_warmup_*`)."""
     from muajax.envs.builtin.warmup import warmup_windows as windows
 

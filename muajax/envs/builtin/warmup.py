@@ -15,6 +15,7 @@ on when to write; that preference comes from the cold-start data and from GRPO.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from muajax.envs.builtin.domain import BuiltinEnvironment
@@ -48,10 +49,12 @@ def tool_call_windows(messages: list[dict[str, Any]], context_messages: int) -> 
     return windows
 
 
+@functools.lru_cache(maxsize=2)
 def warmup_windows(run_seed: int, *, shops: int, n_users: int = 60, tasks_per_shop: int = 200,
-                   context_messages: int = 4) -> list[list[dict[str, Any]]]:
+                   context_messages: int = 4) -> tuple[list[dict[str, Any]], ...]:
     """Windows from `shops` other shops, `tasks_per_shop` expert conversations each;
-    deterministic in its arguments."""
+    deterministic in its arguments, and kept: the vocabulary and the warm-up both read
+    them (callers must not modify them)."""
     out: list[list[dict[str, Any]]] = []
     for seed in warmup_shop_seeds(run_seed, shops):
         shop = BuiltinEnvironment(seed=seed, n_users=n_users, n_test_users=0, n_train_tasks=tasks_per_shop,
@@ -59,4 +62,4 @@ def warmup_windows(run_seed: int, *, shops: int, n_users: int = 60, tasks_per_sh
         for task in shop.tasks("train"):
             messages, _ = expert_conversation(shop, task, careless=NEUTRAL_CARELESS, seed=seed, evaluate=False)
             out.extend(tool_call_windows(messages, context_messages))
-    return out
+    return tuple(out)
