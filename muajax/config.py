@@ -93,7 +93,8 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"
     scan_layers: bool = True
     # "domain": renumber the tokenizer's ids to the subset the domain uses (tiny CPU
-    # models; see muajax.models.vocab). Only with an inline `arch`.
+    # models; see muajax.models.vocab): built for an inline `arch`, or read from an
+    # `hf_dir` checkpoint's domain_vocab.json.
     vocab: Literal["full", "domain"] = "full"
 
     def validate(self) -> None:
@@ -101,8 +102,9 @@ class ModelConfig:
         hint = " (add 'model.arch=null' to drop the inline architecture)" if "arch" in given[1:] else ""
         check(len(given) == 1, "preset", "conflicts: set exactly one of model.preset, model.hf_dir, "
               f"model.arch; got {given or 'none'}{hint}")
-        check(self.vocab == "full" or self.arch is not None, "vocab",
-              "'domain' needs an inline model.arch (a checkpoint's vocabulary is fixed)")
+        check(self.vocab == "full" or self.preset is None, "vocab",
+              "'domain' needs an inline model.arch or an hf_dir with a domain_vocab.json (a preset's "
+              "vocabulary is Qwen3's)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +290,9 @@ class SFTConfig:
     domain_warmup_steps: int = bounded(0, ge=0)
     domain_warmup_batch_size: int = bounded(32, ge=1)
     domain_warmup_shops: int = bounded(8, ge=1)
+    # Open each window with the run's system prompt (policy and tools; shared, so computed
+    # once per batch): a model that never saw that prompt is lost behind it.
+    domain_warmup_system_prompt: bool = False
 
     def validate(self) -> None:
         check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",
@@ -357,9 +362,14 @@ class TrainConfig:
               f"({r.max_context}) exceeds model.arch.max_position_embeddings ({arch and arch.max_position_embeddings})")
 
 
+# Paths a config file may give as "./x": resolved against that file (a checkpoint shipped
+# beside it), where plain relative paths mean the working directory.
+FILE_RELATIVE_KEYS = ("model.hf_dir",)
+
+
 def load_config(path: str | os.PathLike | None = None,
                 overrides: Sequence[str] | Mapping[str, Any] = ()) -> TrainConfig:
     """The validated `TrainConfig` from a YAML file (or the defaults) plus overrides."""
-    data = read_yaml(os.fspath(path)) if path is not None else {}
+    data = read_yaml(os.fspath(path), file_relative=FILE_RELATIVE_KEYS) if path is not None else {}
     extra = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)
     return from_dict(TrainConfig, deep_merge(data, extra))

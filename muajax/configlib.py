@@ -338,8 +338,24 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
     return out
 
 
-def read_yaml(path: str | os.PathLike, chain: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A YAML mapping with its `base:` chain (paths relative to the including file) merged under it."""
+def _resolve_file_relative(data: dict[str, Any], path: str, keys: Sequence[str]) -> None:
+    """Values of the dotted `keys` written "./x" or "../x" are made relative to the YAML file
+    that holds them, so a config can name files shipped beside it from any working
+    directory; other relative values keep meaning the working directory."""
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(value, str) and value.startswith(("./", "../")):
+            node[leaf] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+
+
+def read_yaml(path: str | os.PathLike, chain: tuple[str, ...] = (),
+              file_relative: Sequence[str] = ()) -> dict[str, Any]:
+    """A YAML mapping with its `base:` chain (paths relative to the including file) merged under
+    it; `file_relative` names dotted keys whose "./"-paths are resolved against their file."""
     path = os.fspath(path)
     real = os.path.realpath(path)
     if real in chain:
@@ -356,13 +372,14 @@ def read_yaml(path: str | os.PathLike, chain: tuple[str, ...] = ()) -> dict[str,
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    _resolve_file_relative(data, path, file_relative)
     base = data.pop("base", None)
     if base is None:
         return data
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: 'base' must be a relative path to another YAML file, got {_short(base)}")
     base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-    return deep_merge(read_yaml(base_path, (*chain, real)), data)
+    return deep_merge(read_yaml(base_path, (*chain, real), file_relative), data)
 
 
 def config_to_dict(cfg: Any) -> Any:

@@ -2,7 +2,7 @@
 
 DIR may be
 - a Hugging Face Qwen3 directory (`config.json` + safetensors; its tokenizer files if any,
-  else the bundled Qwen3 tokenizer);
+  else the bundled Qwen3 tokenizer; a domain vocabulary if it has `domain_vocab.json`);
 - a muajax run directory (`config.yaml`, `checkpoints/{sft,grpo}/<step>`): the newest step
   of the latest stage (GRPO before SFT) unless `stage`/`step` say otherwise;
 - its `checkpoints` directory, one stage directory, or one step directory.
@@ -214,13 +214,13 @@ def _check_tokenizer_fits(model_cfg, tokenizer, path: str) -> None:
 def load_hf(path: str, *, dtype: str | None = None, mesh=None) -> Policy:
     from muajax.models.hf import load_config, load_params
     from muajax.models.safetensors_io import CheckpointError
-    from muajax.models.tokenizer import load_tokenizer
+    from muajax.models.vocab import checkpoint_tokenizer
 
     mesh = mesh or make_default_mesh()
     overrides = {"param_dtype": dtype, "dtype": dtype} if dtype else {}
     try:
         model_cfg = load_config(path, **overrides)
-        tokenizer = load_tokenizer(os.path.abspath(path))
+        tokenizer = checkpoint_tokenizer(path)
         _check_tokenizer_fits(model_cfg, tokenizer, path)
         params, _ = load_params(path, model_cfg, parallel.param_shardings(model_cfg, mesh))
     except CheckpointError as e:

@@ -4,16 +4,17 @@ environment and simulated user. Shared by train, eval and serve.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
 
 from muajax import parallel
-from muajax.config import TrainConfig
+from muajax.config import ConfigError, TrainConfig
 from muajax.envs.base import Environment
 from muajax.models.qwen3 import Qwen3Config, init_params
 from muajax.models.tokenizer import load_tokenizer
-from muajax.models.vocab import DomainTokenizer, DomainVocab
+from muajax.models.vocab import DOMAIN_VOCAB_FILE, DomainTokenizer, DomainVocab, checkpoint_tokenizer
 
 
 def maybe_initialize_distributed() -> None:
@@ -149,7 +150,12 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
     if m.hf_dir:
         from muajax.models.hf import load_config
 
-        return load_config(m.hf_dir, **dtypes), load_tokenizer(m.hf_dir), m.hf_dir
+        tokenizer = checkpoint_tokenizer(m.hf_dir)
+        _check_checkpoint_fits_run(cfg, tokenizer)
+        if isinstance(tokenizer, DomainTokenizer) and jax.process_index() == 0:
+            os.makedirs(run_dir, exist_ok=True)  # where evaluation and serving look for a run's vocabulary
+            tokenizer.vocab.save(os.path.join(run_dir, "vocab.json"))
+        return load_config(m.hf_dir, **dtypes), tokenizer, m.hf_dir
     if tokenizer is not None:  # given by the caller (tests, custom domains)
         arch = dataclasses.asdict(m.arch) if m.arch else None
         if arch is not None and m.vocab == "domain":
@@ -179,6 +185,27 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
         tokenizer = DomainTokenizer(tokenizer, vocab)
         arch["vocab_size"] = vocab.padded_size()
     return Qwen3Config(**arch, **dtypes), tokenizer, None
+
+
+def _check_checkpoint_fits_run(cfg: TrainConfig, tokenizer) -> None:
+    """An `hf_dir` whose vocabulary or pretraining data does not fit the run stops it here,
+    before anything compiles."""
+    m = cfg.model
+    domain = isinstance(tokenizer, DomainTokenizer)
+    if domain != (m.vocab == "domain"):
+        raise ConfigError(f"model.vocab: {m.hf_dir} " + (
+            f"holds a domain vocabulary ({DOMAIN_VOCAB_FILE}); set model.vocab=domain" if domain else
+            f"has no {DOMAIN_VOCAB_FILE}; model.vocab=domain needs one (or use model.vocab=full)"))
+    from muajax.pretrain import BASE_META_FILE
+
+    meta_path = os.path.join(m.hf_dir, BASE_META_FILE)
+    if not os.path.isfile(meta_path):
+        return
+    with open(meta_path) as f:
+        seeds = json.load(f).get("shop_seeds", [])
+    if cfg.env.domain == "builtin" and cfg.env.builtin_seed in seeds:
+        raise ConfigError(f"env.builtin_seed: shop {cfg.env.builtin_seed} is one the base model in {m.hf_dir} was "
+                          f"pretrained on (shops {seeds[0]}..{seeds[-1]}); its tasks would not be held out")
 
 
 def initial_params(model_cfg: Qwen3Config, hf_dir: str | None, mesh, seed: int):

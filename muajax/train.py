@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# muajax.train config ({path})\n{dump_yaml(cfg)}", flush=True)
     from muajax.trainer import Trainer
 
-    summary = Trainer(cfg, resume=args.resume, start_time=start).run()
+    try:
+        trainer = Trainer(cfg, resume=args.resume, start_time=start)
+    except ConfigError as exc:  # what only the files can tell: a checkpoint that does not fit the run
+        print(f"muajax.train: config error: {exc}", file=sys.stderr)
+        return 2
+    summary = trainer.run()
     if jax.process_index() == 0:
         print(json.dumps(summary, default=_jsonable), flush=True)
     return 0

@@ -236,14 +236,21 @@ class Trainer:
         self.summary["copy_warmup_nll"] = last
         return params
 
-    def domain_warmup(self, params):
+    def domain_warmup(self, params, on_step=None):
         """`sft.domain_warmup_steps` on short windows of the built-in expert's conversations
         in other shops, each ending at a tool call (`muajax.envs.builtin.warmup`): loss on the
         assistant's tokens, rows drawn with a seeded generator."""
         s = self.cfg.sft
         if not s.domain_warmup_steps:
             return params
-        rows = [render_messages_ids(self.tok, None, None, w) for w in runtime.warmup_windows(self.cfg)]
+        system = (None, None)
+        if s.domain_warmup_system_prompt:  # the built-in policy and tools are the same in every shop
+            task = self.env.tasks(self.cfg.env.train_split)[0]
+            session = self.env.reset(task)
+            system = (self.env.policy_for(task), session.tools())
+            session.close()
+        rows = [render_messages_ids(self.tok, *system, w) for w in runtime.warmup_windows(self.cfg)]
+        prefix = _common_prefix([ids for ids, _ in rows]) if s.domain_warmup_system_prompt else 0
         # Windows run from ~50 to ~300 tokens: each batch comes from one length bucket, so
         # padding stays small and there is one compilation per bucket.
         buckets: dict[int, list[int]] = {}
@@ -259,28 +266,37 @@ class Trainer:
             chosen = rng.choice(pool, s.domain_warmup_batch_size, replace=len(pool) < s.domain_warmup_batch_size)
             return _sft_batch([rows[i] for i in chosen], self.tok_pad, length)
 
-        params, first, last = self._warmup(params, s.domain_warmup_steps, batch)
+        params, first, last = self._warmup(params, s.domain_warmup_steps, batch, on_step=on_step,
+                                           shared_prefix=prefix)
         if self.main:
             print(f"[sft] domain warm-up: {s.domain_warmup_steps} steps on {len(rows)} tool-call windows from "
                   f"{s.domain_warmup_shops} other shops, assistant nll {first:.3f} -> {last:.3f}", flush=True)
         self.summary["domain_warmup_nll"] = last
+        self.summary["domain_warmup_nll_first"] = first
         return params
 
-    def _warmup(self, params, steps: int, make_batch):
+    def _warmup(self, params, steps: int, make_batch, *, on_step=None, shared_prefix: int = 0):
         """(params, first nll, last nll) after `steps` SFT steps on `make_batch()` batches,
-        with a fresh optimizer on the SFT schedule (its state is not kept)."""
+        with a fresh optimizer on the SFT schedule (its state is not kept). The nlls are
+        means over the first and the last (up to) 20 steps, one batch being too noisy to
+        report; `on_step(step, params, nll)` sees every step (snapshots)."""
         s = self.cfg.sft
         optimizer = optimizer_from_config(s, total_steps=steps)
-        step_fn = make_sft_step(self.model_cfg, optimizer, self.mesh)
+        step_fn = make_sft_step(self.model_cfg, optimizer, self.mesh, shared_prefix=shared_prefix)
         state = step_fn.init_state(params)
         divisor = _batch_divisor(self.mesh, 1)
-        first = last = None
-        for _ in range(steps):
+        nlls: list[float] = []
+        bar = ProgressBar(steps, enabled=self.cfg.metrics.progress_bar, is_main_process=self.main, desc="warm-up")
+        for step in range(1, steps + 1):
             batch = self._pad_batch(make_batch(), divisor)
             state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
-            last = float(jax.device_get(metrics["nll"]))
-            first = last if first is None else first
-        return state.params, first, last
+            nlls.append(float(jax.device_get(metrics["nll"])))
+            bar.update(step, nll=nlls[-1])
+            if on_step is not None:
+                on_step(step, state.params, nlls[-1])
+        bar.close()
+        window = max(1, min(20, len(nlls) // 2))  # first and last never overlap
+        return state.params, float(np.mean(nlls[:window])), float(np.mean(nlls[-window:]))
 
     # ------------------------------------------------------------------ GRPO
     def run_grpo(self, params):

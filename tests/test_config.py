@@ -176,6 +176,18 @@ def test_base_inheritance(tmp_path):
     assert cfg.rollout.n_per_task == 6
 
 
+def test_dot_relative_checkpoint_paths_follow_their_file(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "base.yaml", "model: {hf_dir: ./tiny, arch: null}\n")
+    child = write(tmp_path / "child.yaml", "base: sub/base.yaml\n")
+    monkeypatch.chdir(tmp_path)  # not the files' directory for sub/base.yaml
+    assert load_config(child).model.hf_dir == str(tmp_path / "sub" / "tiny")  # beside the file that says it
+    plain = write(tmp_path / "sub" / "plain.yaml", "model: {hf_dir: checkpoints/Qwen3-8B, arch: null}\n")
+    assert load_config(plain).model.hf_dir == "checkpoints/Qwen3-8B"  # plain relative: the working directory
+    # on the command line "./" keeps meaning the working directory
+    assert load_config(child, ["model.hf_dir=./other"]).model.hf_dir == "./other"
+
+
 def test_base_errors(tmp_path):
     write(tmp_path / "a.yaml", "base: b.yaml\n")
     write(tmp_path / "b.yaml", "base: a.yaml\n")

@@ -17,7 +17,7 @@ TIMEOUT = 900
 # (one compilation of the step), for two steps of two microbatches (each holding rows of
 # both processes).
 TINY_GRPO = [
-    "run.stages=[grpo]", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
+    "run.stages=[grpo]", "model.hf_dir=null", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
     " num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
     "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
     "rollout.max_context=1024", "grpo.steps=2", "grpo.learning_rate=1e-3", "grpo.microbatch_size=2",

@@ -27,3 +27,37 @@ def test_there_are_real_scale_configs_for_each_size_and_hardware():
     for size in ("8b", "14b", "32b"):
         for hw in ("v5p", "v6e", "h100"):
             assert f"qwen3-{size}-tau2-{hw}.yaml" in names
+
+
+def test_the_embedded_default_starts_from_the_shipped_base_which_never_saw_its_shop():
+    import json
+
+    from muajax.models.vocab import DomainTokenizer
+    from muajax.policy_loading import load_policy
+    from muajax.pretrain import BASE_META_FILE
+
+    cfg = load_config(os.path.join(ROOT, "configs", "embedded-cpu.yaml"))
+    assert cfg.model.hf_dir == os.path.join(ROOT, "configs", "embedded-base") and cfg.model.vocab == "domain"
+    meta = json.load(open(os.path.join(cfg.model.hf_dir, BASE_META_FILE)))
+    assert cfg.env.builtin_seed not in meta["shop_seeds"]
+    assert meta["command"].startswith("python -m muajax.pretrain")
+    policy = load_policy(cfg.model.hf_dir)
+    assert isinstance(policy.tokenizer, DomainTokenizer) and policy.model_cfg.vocab_size == 512
+    assert cfg.rollout.max_context <= policy.model_cfg.max_position_embeddings
+
+
+def test_the_shipped_base_is_a_qwen3_checkpoint_transformers_agrees_with():
+    import numpy as np
+    import torch
+    import transformers
+
+    from muajax.models.hf import load_config as load_hf_config, load_params
+    from muajax.models.qwen3 import forward
+
+    path = os.path.join(ROOT, "configs", "embedded-base")
+    tokens = np.random.RandomState(0).randint(0, 478, (2, 24))
+    with torch.no_grad():
+        want = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor(tokens)).logits
+    params, cfg = load_params(path, load_hf_config(path))
+    got, _ = forward(params, cfg, tokens)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-4, rtol=1e-4)

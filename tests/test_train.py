@@ -204,7 +204,8 @@ def test_domain_warmup_learns_its_windows_is_seeded_and_needs_the_builtin_domain
     params = runtime.initial_params(trainer.model_cfg, None, trainer.mesh, 0)
     warmed = trainer.domain_warmup(params)
     first, last = map(float, re.search(r"assistant nll ([\d.]+) -> ([\d.]+)", capsys.readouterr().out).groups())
-    assert last < 0.5 * first, (first, last)  # from ~ln(vocab) to the calls' fixed format and beyond
+    # means of the first and last 15 steps: from ~ln(vocab) to the calls' fixed format and beyond
+    assert last < 0.65 * first, (first, last)
     again = Trainer(load_config(None, overrides), tokenizer=trainer.tok)
     assert params_fingerprint(again.domain_warmup(params)) == params_fingerprint(warmed)
     off = Trainer(load_config(None, [o for o in overrides if not o.startswith("sft.domain_warmup_steps")]),
@@ -218,7 +219,7 @@ def test_domain_warmup_learns_its_windows_is_seeded_and_needs_the_builtin_domain
 
 
 TINY_RUN = [
-    "run.stages=[grpo]", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
+    "run.stages=[grpo]", "model.hf_dir=null", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
     " num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
     "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
     "rollout.max_context=1536", "grpo.steps=4", "grpo.learning_rate=1e-3", "grpo.microbatch_size=null",

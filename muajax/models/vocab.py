@@ -18,6 +18,9 @@ import numpy as np
 
 from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID
 
+# A Hugging Face directory of a domain-vocabulary model carries its vocabulary in this file
+# (the tokenizer's own vocab.json is a different thing).
+DOMAIN_VOCAB_FILE = "domain_vocab.json"
 # Qwen3's tool and think markers: always kept so the chat format stays intact.
 _QWEN3_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 UNK_TEXT = "\ufffd"
@@ -105,3 +108,13 @@ class DomainTokenizer:
 
     def __len__(self) -> int:
         return self.vocab.size
+
+
+def checkpoint_tokenizer(hf_dir: str):
+    """The tokenizer of an HF checkpoint directory: its own or the bundled Qwen3 one, wrapped
+    in a `DomainTokenizer` when the directory carries a domain vocabulary."""
+    from muajax.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(os.path.abspath(hf_dir))
+    path = os.path.join(hf_dir, DOMAIN_VOCAB_FILE)
+    return DomainTokenizer(tokenizer, DomainVocab.load(path)) if os.path.isfile(path) else tokenizer
