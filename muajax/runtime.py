@@ -152,9 +152,10 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
 
         tokenizer = checkpoint_tokenizer(m.hf_dir)
         _check_checkpoint_fits_run(cfg, tokenizer)
-        if isinstance(tokenizer, DomainTokenizer) and jax.process_index() == 0:
-            os.makedirs(run_dir, exist_ok=True)  # where evaluation and serving look for a run's vocabulary
-            tokenizer.vocab.save(os.path.join(run_dir, "vocab.json"))
+        vocab_path = os.path.join(run_dir, "vocab.json")  # where evaluation and serving look for it
+        if isinstance(tokenizer, DomainTokenizer) and jax.process_index() == 0 and not os.path.isfile(vocab_path):
+            os.makedirs(run_dir, exist_ok=True)
+            tokenizer.vocab.save(vocab_path)
         return load_config(m.hf_dir, **dtypes), tokenizer, m.hf_dir
     if tokenizer is not None:  # given by the caller (tests, custom domains)
         arch = dataclasses.asdict(m.arch) if m.arch else None
