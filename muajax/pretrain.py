@@ -12,9 +12,10 @@ even odds, so it carries no preference on when to write.
 DIR becomes a Hugging Face Qwen3 directory (config.json, model.safetensors) with the
 compact vocabulary in `domain_vocab.json` and `muajax_base.json` (the shops it saw, its
 steps, loss and wall time). A run loads it with `model.hf_dir=DIR model.vocab=domain`; a
-run on one of those shops is refused, so held-out tasks stay held out.
-`configs/embedded-base/` was made by
-`python -m muajax.pretrain --config configs/embedded-pretrain.yaml --out configs/embedded-base`.
+run on one of those shops is refused, so held-out tasks stay held out. With `model.hf_dir`
+instead of `model.arch` it goes on from an earlier base (whose shops it adds to its own).
+`configs/embedded-base/` was made in two phases (README, "Base models for CPU runs"):
+`configs/embedded-pretrain.yaml`, then `configs/embedded-pretrain-prompt.yaml`.
 
 `--save-every N` also writes DIR/step-N snapshots. Ends with one JSON line of its figures.
 """

@@ -247,8 +247,10 @@ class Trainer:
         if s.domain_warmup_system_prompt:  # the built-in policy and tools are the same in every shop
             task = self.env.tasks(self.cfg.env.train_split)[0]
             session = self.env.reset(task)
-            system = (self.env.policy_for(task), session.tools())
-            session.close()
+            try:
+                system = (self.env.policy_for(task), session.tools())
+            finally:
+                session.close()
         rows = [render_messages_ids(self.tok, *system, w) for w in runtime.warmup_windows(self.cfg)]
         prefix = _common_prefix([ids for ids, _ in rows]) if s.domain_warmup_system_prompt else 0
         # Windows run from ~50 to ~300 tokens: each batch comes from one length bucket, so
