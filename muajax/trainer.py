@@ -253,8 +253,9 @@ class Trainer:
                 session.close()
         rows = [render_messages_ids(self.tok, *system, w) for w in runtime.warmup_windows(self.cfg)]
         prefix = _common_prefix([ids for ids, _ in rows]) if s.domain_warmup_system_prompt else 0
-        # Windows run from ~50 to ~300 tokens: each batch comes from one length bucket, so
-        # padding stays small and there is one compilation per bucket.
+        # Windows run from ~50 to ~300 tokens (after the system prompt, if any): each batch
+        # comes from one length bucket, so padding stays small and there is one compilation
+        # per bucket.
         buckets: dict[int, list[int]] = {}
         for i, (ids, _) in enumerate(rows):
             buckets.setdefault(-(-len(ids) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, []).append(i)
