@@ -175,6 +175,8 @@ class EnvConfig:
     builtin_test_users: int = bounded(12, ge=0)  # 0: shared users, held-out tasks
     builtin_train_tasks: int = bounded(200, ge=1)
     builtin_test_tasks: int = bounded(50, ge=1)
+    # The share of each task kind in both splits (kind -> weight; null: the domain's own mix).
+    builtin_kind_weights: dict[str, float] | None = None
     bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                            "multi_turn_long_context"] = "multi_turn_base"
     train_split: str = "train"
@@ -184,6 +186,13 @@ class EnvConfig:
     def validate(self) -> None:
         check(self.domain != "mcp" or bool(self.mcp.servers), "mcp.servers",
               "must define at least one server when env.domain is 'mcp'")
+        if self.builtin_kind_weights is not None:
+            from muajax.envs.builtin.tasks import check_kind_weights
+
+            try:
+                check_kind_weights(self.builtin_kind_weights)
+            except ValueError as exc:
+                check(False, "builtin_kind_weights", str(exc))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ def make_environment(cfg: TrainConfig) -> Environment:
         e = cfg.env
         return BuiltinEnvironment(seed=e.builtin_seed, terse_tools=e.builtin_terse_tools, n_users=e.builtin_users,
                                   n_test_users=e.builtin_test_users, n_train_tasks=e.builtin_train_tasks,
-                                  n_test_tasks=e.builtin_test_tasks)
+                                  n_test_tasks=e.builtin_test_tasks, kind_weights=e.builtin_kind_weights)
     if domain in ("retail", "airline", "telecom"):
         from muajax.envs.tau2 import Tau2Environment
 

@@ -51,6 +51,19 @@ def test_splits_sizes_kinds_and_determinism(env):
         env.tasks("valid")
 
 
+def test_kind_weights_set_the_mix_of_both_splits():
+    env = BuiltinEnvironment(kind_weights={"cancel": 2, "cancel_mind": 2, "info": 1, "modify": 0})
+    for split, n in (("train", 200), ("test", 50)):
+        counts = collections.Counter(t.metadata["kind"] for t in env.tasks(split))
+        assert counts == {"cancel": 0.4 * n, "cancel_mind": 0.4 * n, "info": 0.2 * n}, counts
+    cases = [({}, "non-empty mapping"), ({"refund": 1.0}, "unknown task kind 'refund'"),
+             ({"cancel": -1.0}, "finite number >= 0"), ({"cancel": float("inf")}, "finite number >= 0"),
+             ({"cancel": "lots"}, "finite number >= 0"), ({"cancel": 0.0}, "weight > 0")]
+    for weights, message in cases:
+        with pytest.raises(ValueError, match=message):
+            BuiltinEnvironment(kind_weights=weights)
+
+
 def test_train_and_test_are_disjoint(env):
     def footprint(tasks):
         users = {t.metadata["user_id"] for t in tasks}

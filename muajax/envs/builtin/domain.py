@@ -13,13 +13,14 @@ import pickle
 import random
 import re
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from muajax.envs.base import Environment, EnvSession, Evaluation, Observation, Task, ToolCall
 from muajax.envs.builtin.confirm import message_text, write_calls
 from muajax.envs.builtin.database import db_hash, generate_database
 from muajax.envs.builtin.policy import POLICY
-from muajax.envs.builtin.tasks import DOMAIN, generate_tasks
+from muajax.envs.builtin.tasks import DOMAIN, KIND_WEIGHTS, generate_tasks
 from muajax.envs.builtin.tools import WRITE_TOOLS, Shop, ToolError, short, tool_schemas
 from muajax.envs.general_tools import GENERAL_TOOL_NAMES, GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, run_general_tool
 
@@ -171,7 +172,8 @@ class BuiltinEnvironment(Environment):
     name = DOMAIN
 
     def __init__(self, seed: int = 0, n_users: int = 60, n_test_users: int = 12,
-                 n_train_tasks: int = 200, n_test_tasks: int = 50, terse_tools: bool = False):
+                 n_train_tasks: int = 200, n_test_tasks: int = 50, terse_tools: bool = False,
+                 kind_weights: Mapping[str, float] | None = None):
         if not isinstance(n_test_users, int) or not 0 <= n_test_users < n_users:
             raise ValueError(f"n_test_users must be in [0, n_users), got {n_test_users!r} with n_users={n_users!r}")
         self.seed = seed
@@ -186,8 +188,9 @@ class BuiltinEnvironment(Environment):
         self.train_users = tuple(sorted(order[n_test_users:]))
         seen: set[tuple] = set()
         self._tasks = {
-            "train": generate_tasks(self._db, self.train_users, "train", n_train_tasks, seed, seen),
-            "test": generate_tasks(self._db, self.test_users, "test", n_test_tasks, seed, seen),
+            split: generate_tasks(self._db, users, split, n, seed, seen,
+                                  KIND_WEIGHTS if kind_weights is None else kind_weights)
+            for split, users, n in (("train", self.train_users, n_train_tasks), ("test", self.test_users, n_test_tasks))
         }
         self._gold_hashes: dict[str, str] = {}
 

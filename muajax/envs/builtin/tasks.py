@@ -11,7 +11,7 @@ apart by listing the options and waiting for the user's explicit yes.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from muajax.envs.base import Task, ToolCall
@@ -122,9 +122,25 @@ _BUILDERS: dict[str, Callable] = {
 }
 
 
-def kind_counts(n: int) -> dict[str, int]:
-    """Split n tasks over the kinds by KIND_WEIGHTS (largest remainder, so they sum to n)."""
-    raw = {k: n * w for k, w in KIND_WEIGHTS.items()}
+def check_kind_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    """The weights normalised to sum to 1, or ValueError naming what is wrong."""
+    if not isinstance(weights, Mapping) or not weights:
+        raise ValueError(f"kind weights must be a non-empty mapping of kind -> weight, got {weights!r}")
+    unknown = sorted(str(k) for k in weights if k not in KINDS)
+    if unknown:
+        raise ValueError(f"unknown task kind {unknown[0]!r}; the kinds are {', '.join(KINDS)}")
+    bad = [k for k, w in weights.items() if not isinstance(w, (int, float)) or not 0 <= w < float("inf")]
+    if bad:
+        raise ValueError(f"the weight of kind {bad[0]!r} must be a finite number >= 0, got {weights[bad[0]]!r}")
+    total = float(sum(weights.values()))
+    if total <= 0:
+        raise ValueError("at least one task kind needs a weight > 0")
+    return {k: weights[k] / total for k in KINDS if weights.get(k, 0) > 0}
+
+
+def kind_counts(n: int, weights: Mapping[str, float] = KIND_WEIGHTS) -> dict[str, int]:
+    """Split n tasks over the kinds by `weights` (largest remainder, so they sum to n)."""
+    raw = {k: n * w for k, w in check_kind_weights(weights).items()}
     counts = {k: int(v) for k, v in raw.items()}
     for k in sorted(raw, key=lambda k: (counts[k] - raw[k], KINDS.index(k)))[: n - sum(counts.values())]:
         counts[k] += 1
@@ -132,15 +148,16 @@ def kind_counts(n: int) -> dict[str, int]:
 
 
 def generate_tasks(db: dict[str, Any], user_ids: Sequence[str], split: str, n: int, seed: int,
-                   seen: set[tuple] | None = None) -> list[Task]:
-    """n distinct tasks over `user_ids`, spread round-robin so every user is used.
+                   seen: set[tuple] | None = None, kind_weights: Mapping[str, float] = KIND_WEIGHTS) -> list[Task]:
+    """n distinct tasks over `user_ids`, spread round-robin so every user is used, their kinds
+    split by `kind_weights`.
 
     `seen` holds the signatures of tasks to avoid; it is updated with the new ones, so one
     set passed to the train then the test split keeps the two disjoint."""
     if n < 1:
         raise ValueError(f"a split needs at least one task, got n={n}")
     rng = random.Random(f"{seed}:{split}")
-    kinds = [k for k, c in kind_counts(n).items() for _ in range(c)]
+    kinds = [k for k, c in kind_counts(n, kind_weights).items() for _ in range(c)]
     rng.shuffle(kinds)
     seen = set() if seen is None else seen
     tasks: list[Task] = []
