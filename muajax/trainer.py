@@ -290,11 +290,14 @@ class Trainer:
         divisor = _batch_divisor(self.mesh, 1)
         nlls: list[float] = []
         bar = ProgressBar(steps, enabled=self.cfg.metrics.progress_bar, is_main_process=self.main, desc="warm-up")
+        log_every = max(1, steps // 10)
         for step in range(1, steps + 1):
             batch = self._pad_batch(make_batch(), divisor)
             state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
             nlls.append(float(jax.device_get(metrics["nll"])))
             bar.update(step, nll=nlls[-1])
+            if not bar.enabled and (step % log_every == 0 or step == steps):  # a log has no bar: a line now and then
+                bar.write(f"[warm-up] step {step}/{steps}, nll {np.mean(nlls[-log_every:]):.3f}")
             if on_step is not None:
                 on_step(step, state.params, nlls[-1])
         bar.close()

@@ -24,14 +24,15 @@ SMALL = ["model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 2, num
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrain")
-    out, printed = root / "base", io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    out, printed, log = root / "base", io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(log):
         assert pretrain.main(["--out", str(out), "--save-every", "2", f"run.out_dir={root / 'runs'}", *SMALL]) == 0
-    return out, json.loads(printed.getvalue().strip().splitlines()[-1])
+    return out, json.loads(printed.getvalue().strip().splitlines()[-1]), log.getvalue()
 
 
 def test_pretrain_writes_an_hf_base_with_its_vocabulary_and_record(base):
-    base, figures = base
+    base, figures, log = base
+    assert "[warm-up] step 6/6, nll " in log  # without a terminal (no bar) the log still shows progress
     assert figures["steps"] == 6 and figures["nll"] < figures["nll_first"]
     for name in ("config.json", "model.safetensors", DOMAIN_VOCAB_FILE, pretrain.BASE_META_FILE):
         assert (base / name).is_file(), name
@@ -47,7 +48,7 @@ def test_pretrain_writes_an_hf_base_with_its_vocabulary_and_record(base):
 
 
 def test_a_run_loads_the_base_and_refuses_what_does_not_fit(base, tmp_path, capsys):
-    base, _ = base
+    base, _, _ = base
     run = ["model.arch=null", f"model.hf_dir={base}", "model.vocab=domain", f"run.out_dir={tmp_path}",
            *[o for o in SMALL if not o.startswith("model.arch")]]
     cfg = load_config(None, run)
@@ -79,7 +80,7 @@ def test_pretrain_refuses_what_it_cannot_train(tmp_path, capsys):
 
 
 def test_pretrain_continues_from_a_base_with_the_system_prompt(base, tmp_path):
-    base, _ = base
+    base, _, _ = base
     out, printed = tmp_path / "phase2", io.StringIO()
     args = ["--out", str(out), f"run.out_dir={tmp_path / 'runs'}", "model.arch=null", f"model.hf_dir={base}",
             "env.builtin_seed=1100", "sft.domain_warmup_system_prompt=true", "sft.domain_warmup_steps=4",
