@@ -21,7 +21,9 @@ measured 10-25x slower than 1 thread), which would flatter muajax, so transforme
 also timed with `--alt-threads` threads and the `*_vs_best_torch` ratios use the faster.
 
 Runs alternate which side goes first each round (shared machine: drift hits all sides);
-figures are medians. Compilation is excluded from muajax's timed runs: the first (cold)
+figures are medians. The decode floor (`muajax.bench.decode_floor`: one step's matmuls
+alone, in torch and in XLA) bounds the ratio any engine could reach on the machine.
+Compilation is excluded from muajax's timed runs: the first (cold)
 run is timed separately and `compile_s` is its excess over the warm median.
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 
 import numpy as np
 
-from muajax.bench import common
+from muajax.bench import common, decode_floor
 
 # The forward benchmark's architecture (vocab shrunk from Qwen3's 151936 to keep it CPU-sized).
 ARCH = {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
@@ -247,6 +249,9 @@ def run(argv: list[str]) -> dict:
                        f"decode x{result['decode_ratio_vs_best_torch']:.2f}  e2e x{result['e2e_ratio_vs_best_torch']:.2f}")
         common.log(f"greedy tokens agree with transformers for the first {result['greedy_agree_prefix']:.1f}/{args.new} "
                    "on average (same weights)")
+        result["floor"] = decode_floor.measure(hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
+                                               torch_threads=threads.values(), repeat=max(5, 5 * args.repeat))
+        setup_threads(args.threads)
     result["machine"] = common.machine_info()
     return result
 

@@ -45,6 +45,13 @@ def test_generate_quick():
     # same weights, greedy: both sides must pick the same first token (a wrong load would not)
     assert result["greedy_agree_prefix"] >= 1
     assert "transformers" in stdout and "muajax" in stdout  # the figures are printed beside the reference
+    floor = result["floor"]  # one step's matmuls alone: what bounds any engine's ratio on this machine
+    for key in ("torch_matmul_ms", "xla_matmul_ms", "weight_stream_ms", "muajax_step_over_xla_floor",
+                "decode_ratio_ceiling", "decode_ratio_bandwidth_ceiling"):
+        assert positive(floor[key]), (key, floor)
+    assert math.isclose(floor["decode_ratio_ceiling"], result["transformers"]["decode_ms_per_step"]
+                        / min(floor["torch_matmul_ms"], floor["xla_matmul_ms"]), rel_tol=1e-2)
+    assert "decode floor" in stdout
 
 
 def test_multiturn_quick():

@@ -1,0 +1,105 @@
+"""The arithmetic floor of one decode step, for `python -m muajax.bench generate`.
+
+A decode step's unavoidable work is its matrix products: per layer the q, k, v, o, gate,
+up and down projections of `batch` single-token rows, then the LM head. Attention over
+the cache, the norms and the sampling are small beside them at the generate benchmark's
+size, and everything else is overhead. This times exactly those products, on the same
+weights, once with torch (what transformers' step is built from) and once jitted in XLA
+(what muajax's step is built from), and the time to stream every weight from memory
+once (a torch sum: the bound for any float32 kernel at a small batch).
+
+`transformers step / faster matmul floor` bounds the decode ratio of any engine built on
+these matmul libraries; `transformers step / stream` bounds even a hand-written kernel.
+`1 - torch floor / transformers step` is the share of transformers' step that is per-step
+overhead.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from muajax.bench import common
+
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _weights(hf_model) -> list[np.ndarray]:
+    """Every decode-step matrix as [in, out] float32 arrays: the layers' projections, then the head."""
+    mats = []
+    for layer in hf_model.model.layers:
+        for block, name in _PROJECTIONS:
+            mats.append(getattr(getattr(layer, block), name).weight.detach().numpy().T)
+    mats.append(hf_model.lm_head.weight.detach().numpy().T)
+    return mats
+
+
+def torch_step(hf_model, batch: int, threads: int):
+    """The step's products as torch matmuls on `batch` rows, with `threads` intra-op threads
+    (inputs of the right width; the values do not change the cost)."""
+    import torch
+
+    mats = [torch.from_numpy(np.ascontiguousarray(m.T)) for m in _weights(hf_model)]  # [out, in], like nn.Linear
+    inputs = {m.shape[1]: torch.ones(batch, m.shape[1]) for m in mats}
+
+    def step():
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            for m in mats:
+                torch.nn.functional.linear(inputs[m.shape[1]], m)
+
+    return step
+
+
+def stream_step(hf_model, threads: int):
+    """Reads every weight once (a sum per matrix): what memory bandwidth alone allows."""
+    import torch
+
+    mats = [torch.from_numpy(np.ascontiguousarray(m)) for m in _weights(hf_model)]
+
+    def step():
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            for m in mats:
+                m.sum()
+
+    return step
+
+
+def xla_step(hf_model, batch: int):
+    """The same products in one jitted XLA program, each weight its own device buffer."""
+    import jax
+    import jax.numpy as jnp
+
+    mats = [jax.device_put(m) for m in _weights(hf_model)]
+    inputs = {m.shape[0]: jnp.ones((batch, m.shape[0]), jnp.float32) for m in mats}
+
+    @jax.jit
+    def step(mats, inputs):
+        # summed so that no product is dead code; the sums are negligible beside the products
+        return sum(jnp.sum(inputs[m.shape[0]] @ m) for m in mats)
+
+    return lambda: step(mats, inputs)
+
+
+def measure(hf_model, batch: int, hf_step_ms: float, muajax_step_ms: float, *, torch_threads=(1,),
+            repeat: int = 20) -> dict:
+    """Both floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary."""
+    candidates = {f"torch_{n}": torch_step(hf_model, batch, n) for n in sorted(set(torch_threads))}
+    candidates["xla"] = xla_step(hf_model, batch)
+    candidates["stream"] = stream_step(hf_model, max(torch_threads))
+    seconds = {k: 1e3 * common.median(v) for k, v in common.interleave(candidates, warmup=2, repeat=repeat).items()}
+    xla_ms, stream_ms = seconds.pop("xla"), seconds.pop("stream")
+    torch_ms = min(seconds.values())
+    floor = min(torch_ms, xla_ms)
+    out = {"torch_matmul_ms": torch_ms, "xla_matmul_ms": xla_ms, "weight_stream_ms": stream_ms,
+           "transformers_overhead_share": 1.0 - torch_ms / hf_step_ms,
+           "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, xla_ms),
+           "decode_ratio_ceiling": common.ratio(hf_step_ms, floor),
+           "decode_ratio_bandwidth_ceiling": common.ratio(hf_step_ms, stream_ms)}
+    common.log(f"decode floor (one step's matmuls alone, batch {batch}): torch {torch_ms:.2f} ms, XLA {xla_ms:.2f} ms; "
+               f"reading every weight once {stream_ms:.2f} ms")
+    common.log(f"transformers' step {hf_step_ms:.2f} ms is {100 * out['transformers_overhead_share']:.0f}% overhead; "
+               f"muajax's {muajax_step_ms:.2f} ms is x{out['muajax_step_over_xla_floor']:.2f} its XLA floor")
+    common.log(f"an engine on these matmul libraries can beat transformers' decode by at most "
+               f"x{out['decode_ratio_ceiling']:.2f} here; a kernel at memory speed by x{out['decode_ratio_bandwidth_ceiling']:.2f}")
+    return out
