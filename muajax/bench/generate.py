@@ -22,7 +22,8 @@ also timed with `--alt-threads` threads and the `*_vs_best_torch` ratios use the
 
 Runs alternate which side goes first each round (shared machine: drift hits all sides);
 figures are medians. The decode floor (`muajax.bench.decode_floor`: one step's matmuls
-alone, in torch and in XLA) bounds the ratio any engine could reach on the machine.
+alone, in torch and in XLA, and one read of every weight) bounds the ratio an engine
+could reach on the machine.
 Compilation is excluded from muajax's timed runs: the first (cold)
 run is timed separately and `compile_s` is its excess over the warm median.
 """
