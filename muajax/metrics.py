@@ -210,6 +210,7 @@ class ProgressBar:
     def __init__(self, total: int | None, initial: int = 0, *, enabled: bool = True,
                  is_main_process: bool = True, file: IO[str] | None = None, desc: str = "train"):
         self._file = file if file is not None else sys.stderr
+        self.total = total
         self.is_main_process = is_main_process
         isatty = getattr(self._file, "isatty", None)
         self.enabled = bool(enabled and is_main_process and callable(isatty) and isatty())
@@ -232,6 +233,12 @@ class ProgressBar:
             self._bar.update(step - self._bar.n)
         else:
             self._bar.refresh()
+
+    def log(self, step: int, message: str, every: int = 1) -> None:
+        """Without a bar (a log file, CI), print `message` at every `every`-th step and the
+        last: a run under nohup still shows its progress."""
+        if self._bar is None and (step % max(every, 1) == 0 or step == self.total):
+            self.write(message)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the bar."""

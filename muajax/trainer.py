@@ -207,6 +207,7 @@ class Trainer:
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}
             writer.write(step + 1, metrics)
             bar.update(step + 1, loss=metrics["loss"])
+            bar.log(step + 1, f"[sft] step {step + 1}/{total}, loss {metrics['loss']:.4f}", every=max(1, total // 10))
             done = step + 1 == total
             if ckpt.should_save(step + 1) or done:
                 ckpt.save(step + 1, state, config=config_to_dict(self.cfg), extra={"done": done}, force=done)
@@ -296,8 +297,7 @@ class Trainer:
             state, metrics = step_fn(state, distributed.same_on_every_process(batch, self.mesh))
             nlls.append(float(jax.device_get(metrics["nll"])))
             bar.update(step, nll=nlls[-1])
-            if not bar.enabled and (step % log_every == 0 or step == steps):  # a log has no bar: a line now and then
-                bar.write(f"[warm-up] step {step}/{steps}, nll {np.mean(nlls[-log_every:]):.3f}")
+            bar.log(step, f"[warm-up] step {step}/{steps}, nll {np.mean(nlls[-log_every:]):.3f}", every=log_every)
             if on_step is not None:
                 on_step(step, state.params, nlls[-1])
         bar.close()
@@ -366,6 +366,8 @@ class Trainer:
             writer.write(step + 1, record)
             bar.update(step + 1, reward=record.get("reward", 0.0), kl=metrics.get("kl", 0.0),
                        tokens_per_s=record["throughput/sampled_tokens_per_s"])
+            bar.log(step + 1, f"[grpo] step {step + 1}/{steps}: reward {record.get('reward', 0.0):.3f}, "
+                              f"kl {metrics.get('kl', 0.0):.4f}, rollout {t_rollout:.1f}s, update {t_update:.1f}s")
             if ckpt.should_save(step + 1) or step + 1 == steps:
                 ckpt.save(step + 1, state, data_position=stream.position, config=config_to_dict(cfg),
                           force=step + 1 == steps)

@@ -135,9 +135,10 @@ def test_progress_bar_on_a_terminal():
         assert bar.enabled
         bar.update(3, reward=0.5, kl=2.5e-4, tokens_per_s=1234.0, turns=21)
         bar.write("hello")
+        bar.log(10, "a log line")  # the bar shows progress itself
     text = out.getvalue()
     assert "3/10" in text and "reward=0.500" in text and "kl=2.50e-04" in text
-    assert "tok/s=1234.000" in text and "turns=21" in text and "hello" in text
+    assert "tok/s=1234.000" in text and "turns=21" in text and "hello" in text and "a log line" not in text
 
 
 def test_progress_bar_disabled_off_terminal_or_when_asked():
@@ -146,8 +147,10 @@ def test_progress_bar_disabled_off_terminal_or_when_asked():
     assert not bar.enabled
     bar.update(1, reward=1.0)
     bar.write("log line")
+    for step in range(1, 6):  # without a bar: every 2nd step and the last
+        bar.log(step, f"step {step}", every=2)
     bar.close()
-    assert plain.getvalue() == "log line\n"
+    assert plain.getvalue() == "log line\nstep 2\nstep 4\nstep 5\n"
     tty = FakeTTY()
     for kwargs in ({"enabled": False}, {"is_main_process": False}):
         bar = ProgressBar(total=5, file=tty, **kwargs)

@@ -236,6 +236,7 @@ def test_kill9_then_resume_equals_an_uninterrupted_run(tmp_path):
     straight = run_train([*TINY_RUN, f"run.out_dir={tmp_path / 'a'}"], timeout=900)
     assert straight.returncode == 0, straight.stderr[-3000:]
     want = final_summary(straight.stdout)
+    assert "[grpo] step 4/4: reward " in straight.stderr  # no terminal, no bar: a line per step instead
 
     run_dir = tmp_path / "b"
     args = [*TINY_RUN, f"run.out_dir={run_dir}"]
