@@ -33,12 +33,12 @@ def _weights(hf_model) -> list[np.ndarray]:
     return mats
 
 
-def torch_step(hf_model, batch: int, threads: int):
+def torch_step(weights: list[np.ndarray], batch: int, threads: int):
     """The step's products as torch matmuls on `batch` rows, with `threads` intra-op threads
     (inputs of the right width; the values do not change the cost)."""
     import torch
 
-    mats = [torch.from_numpy(np.ascontiguousarray(m.T)) for m in _weights(hf_model)]  # [out, in], like nn.Linear
+    mats = [torch.from_numpy(np.ascontiguousarray(m.T)) for m in weights]  # [out, in], like nn.Linear
     inputs = {m.shape[1]: torch.ones(batch, m.shape[1]) for m in mats}
 
     def step():
@@ -50,11 +50,11 @@ def torch_step(hf_model, batch: int, threads: int):
     return step
 
 
-def stream_step(hf_model, threads: int):
+def stream_step(weights: list[np.ndarray], threads: int):
     """Reads every weight once (a sum per matrix): what memory bandwidth alone allows."""
     import torch
 
-    mats = [torch.from_numpy(np.ascontiguousarray(m)) for m in _weights(hf_model)]
+    mats = [torch.from_numpy(np.ascontiguousarray(m)) for m in weights]
 
     def step():
         torch.set_num_threads(threads)
@@ -65,12 +65,12 @@ def stream_step(hf_model, threads: int):
     return step
 
 
-def xla_step(hf_model, batch: int):
+def xla_step(weights: list[np.ndarray], batch: int):
     """The same products in one jitted XLA program, each weight its own device buffer."""
     import jax
     import jax.numpy as jnp
 
-    mats = [jax.device_put(m) for m in _weights(hf_model)]
+    mats = [jax.device_put(m) for m in weights]
     inputs = {m.shape[0]: jnp.ones((batch, m.shape[0]), jnp.float32) for m in mats}
 
     @jax.jit
@@ -84,9 +84,10 @@ def xla_step(hf_model, batch: int):
 def measure(hf_model, batch: int, hf_step_ms: float, muajax_step_ms: float, *, torch_threads=(1,),
             repeat: int = 20) -> dict:
     """Both floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary."""
-    candidates = {f"torch_{n}": torch_step(hf_model, batch, n) for n in sorted(set(torch_threads))}
-    candidates["xla"] = xla_step(hf_model, batch)
-    candidates["stream"] = stream_step(hf_model, max(torch_threads))
+    weights = _weights(hf_model)
+    candidates = {f"torch_{n}": torch_step(weights, batch, n) for n in sorted(set(torch_threads))}
+    candidates["xla"] = xla_step(weights, batch)
+    candidates["stream"] = stream_step(weights, max(torch_threads))
     seconds = {k: 1e3 * common.median(v) for k, v in common.interleave(candidates, warmup=2, repeat=repeat).items()}
     xla_ms, stream_ms = seconds.pop("xla"), seconds.pop("stream")
     torch_ms = min(seconds.values())
