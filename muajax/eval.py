@@ -18,20 +18,20 @@ BFCL-v3 multi-turn (`--domain bfcl`, needs the optional nvidia-bfcl install, see
 README): `--bfcl-category` base (default), miss_func, miss_param or long_context; the
 split is `test` (every task of the category; BFCL has no train split). The user is the
 benchmark's scripted turns and the score is BFCL's own multi-turn checker (see
-`muajax.envs.bfcl`); the episode limit defaults to 200 turns there, since BFCL itself
+`muajax.domains.bfcl.environment`); the episode limit defaults to 200 turns there, since BFCL itself
 allows 20 steps per user turn.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import sys
-import time
-from collections import defaultdict
-from math import comb
 from typing import Any
+
+from muajax.config.fields import ConfigError
+from muajax.domains.registry import DomainConfigError
+from muajax.train.evaluate import EvalRequest, evaluate_checkpoint
+from muajax.train.policy_loading import PolicyLoadError
 
 DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl")
 BFCL_CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
@@ -90,59 +90,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run_config(args, policy):
-    """The TrainConfig that builds the environment and user: the run's own env settings
-    when it trained on this domain (its prompt format, e.g. terse tools), else defaults."""
-    from muajax.config import EnvConfig, TrainConfig, UserConfig, from_dict
-
-    base = policy.config
-    env = base.env if base is not None and base.env.domain == args.domain else EnvConfig(domain=args.domain)
-    if args.domain == "bfcl":
-        category = args.bfcl_category
-        env = dataclasses.replace(env, bfcl_category=category if category.startswith("multi_turn_")
-                                  else f"multi_turn_{category}")
-    if args.terse_tools is not None:
-        env = dataclasses.replace(env, builtin_terse_tools=args.terse_tools)
-    user = from_dict(UserConfig, {
-        "kind": args.user, "model": args.user_model, "base_url": args.user_base_url,
-        "api_key_env": args.user_api_key_env, "temperature": args.user_temperature,
-        "max_concurrency": args.user_concurrency}, "user")
-    return TrainConfig(env=env, user=user)
-
-
-def rollout_limits(args, policy) -> tuple[int, int]:
-    """(max_context, max_new_tokens): flags, then the run's settings, then defaults, capped
-    by what the model's positions allow."""
-    run = policy.config.rollout if policy.config is not None else None
-    context = args.max_context or (run.max_context if run else 16384)
-    context = min(context, policy.model_cfg.max_position_embeddings)
-    new = args.max_new_tokens or (run.max_new_tokens_per_turn if run else 1024)
-    return context, min(new, context - 1)
-
-
-def task_records(trajectories, trials: int) -> list[dict[str, Any]]:
-    by_task: dict[str, list] = defaultdict(list)
-    for t in trajectories:
-        by_task[t.task_id].append(t)
-    records = []
-    for task_id, ts in by_task.items():
-        ts.sort(key=lambda t: t.rollout_index)
-        c = sum(t.reward >= 1.0 for t in ts)
-        records.append({
-            "task_id": task_id, "successes": c, "trials": len(ts),
-            "pass_hat": {str(k): comb(c, k) / comb(len(ts), k) for k in range(1, min(trials, len(ts)) + 1)},
-            "mean_partial": sum(t.partial for t in ts) / len(ts),
-            "rollouts": [{
-                "rollout_index": t.rollout_index, "reward": t.reward, "partial": t.partial,
-                "termination": t.termination, "error": t.error, "turns": t.turns,
-                "assistant_turns": t.assistant_turns, "truncated_turns": t.truncated_turns,
-                "malformed_calls": t.malformed_calls, "tool_calls": dict(t.tool_calls), "details": t.details,
-                "sampled_tokens": t.num_sampled, "wall_s": round(t.wall_s, 3), "messages": t.messages,
-            } for t in ts],
-        })
-    return records
-
-
 def print_summary(summary: dict[str, Any], trials: int) -> None:
     print(f"tasks {summary['tasks']} x trials {trials}", flush=True)
     for k in range(1, trials + 1):
@@ -153,64 +100,25 @@ def print_summary(summary: dict[str, Any], trials: int) -> None:
     print(f"  terminations: {summary['terminations']}", flush=True)
 
 
-def evaluate(args) -> dict[str, Any]:
-    from muajax import runtime
-    from muajax.evaluation import summarize
-    from muajax.policy_loading import load_policy, make_engine
-    from muajax.rollout import RolloutOptions, run_rollouts_sync
-
-    start = time.time()
-    policy = load_policy(args.checkpoint, stage=args.stage, step=args.step, dtype=args.dtype)
-    print(f"loaded {policy.describe()}", flush=True)
-    cfg = run_config(args, policy)
-    env = runtime.make_environment(cfg)
-    user = runtime.make_user(cfg, env)
-    tasks = env.tasks(args.split)
-    if args.max_tasks:
-        tasks = tasks[: args.max_tasks]
-    if not tasks:
-        raise ValueError(f"{args.domain} split {args.split!r} has no tasks")
-    context, new_tokens = rollout_limits(args, policy)
-    slots = min(args.slots, len(tasks) * args.trials)
-    engine = make_engine(policy, num_slots=slots, max_len=context)
-    end_on_malformed = policy.config.rollout.end_on_malformed_call if policy.config is not None else False
-    if args.domain == "bfcl" and cfg.env.bfcl_category == "multi_turn_miss_func":
-        # a function added mid-conversation is not in the tool list the rollout checks calls against
-        end_on_malformed = False
-    options = RolloutOptions(n=args.trials, max_turns=args.max_turns, max_new_tokens_per_turn=new_tokens,
-                             max_context=context, temperature=args.temperature, top_p=args.top_p,
-                             communicate_info=not args.no_communicate_info, end_on_malformed_call=end_on_malformed)
-    print(f"evaluating on {args.domain}/{args.split}: {len(tasks)} tasks x {args.trials} trials, user {args.user}, "
-          f"temperature {args.temperature:g}, {slots} slots, context {context}", flush=True)
-    batch = run_rollouts_sync(engine, policy.tokenizer, env, user, tasks, options=options, seed=args.seed)
-    trajectories = list(batch)
-    summary = summarize(trajectories, args.trials)
-    summary.update(domain=args.domain, split=args.split, user=args.user, temperature=args.temperature,
-                   checkpoint=policy.path, stage=policy.stage, step=policy.step,
-                   failed_rollouts=sum(t.failed for t in trajectories),
-                   sampled_tokens=sum(t.num_sampled for t in trajectories), wall_s=round(time.time() - start, 2))
-    if args.domain == "bfcl":
-        summary["bfcl_category"] = cfg.env.bfcl_category
-    name = f"bfcl-{cfg.env.bfcl_category}" if args.domain == "bfcl" else args.domain
-    out = args.out or f"eval-{name}-{args.split}.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"summary": summary, "options": dataclasses.asdict(options),
-                   "tasks": task_records(trajectories, args.trials)}, f, indent=1, default=str)
-    os.replace(tmp, out)
-    summary["out"] = os.path.abspath(out)
-    return summary
+def request_from_args(args) -> EvalRequest:
+    category = args.bfcl_category
+    user = {"kind": args.user, "model": args.user_model, "base_url": args.user_base_url,
+            "api_key_env": args.user_api_key_env, "temperature": args.user_temperature,
+            "max_concurrency": args.user_concurrency}
+    return EvalRequest(checkpoint=args.checkpoint, domain=args.domain, split=args.split, stage=args.stage,
+                       step=args.step, bfcl_category=category if category.startswith("multi_turn_")
+                       else f"multi_turn_{category}", trials=args.trials, max_tasks=args.max_tasks,
+                       temperature=args.temperature, top_p=args.top_p, seed=args.seed, user=user,
+                       max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context,
+                       slots=args.slots, terse_tools=args.terse_tools, communicate_info=not args.no_communicate_info,
+                       dtype=args.dtype, out=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from muajax.config import ConfigError
-    from muajax.policy_loading import PolicyLoadError
-
     try:
-        summary = evaluate(args)
-    except (PolicyLoadError, ConfigError, ValueError, ImportError) as e:
+        summary = evaluate_checkpoint(request_from_args(args))
+    except (PolicyLoadError, ConfigError, DomainConfigError, ValueError, ImportError) as e:
         print(f"muajax.eval: error: {e}", file=sys.stderr, flush=True)
         print(json.dumps({"error": str(e)}), flush=True)
         return 2

@@ -104,14 +104,6 @@ def tree_shardings(shapes, axes, mesh: Mesh, rules=LOGICAL_RULES):
     )
 
 
-def param_shardings(cfg, mesh: Mesh, rules=LOGICAL_RULES):
-    from muajax.models.qwen3 import abstract_params, logical_axes
-
-    abstract = nn.meta.unbox(abstract_params(cfg))
-    return jax.tree.map(
-        lambda x, a: NamedSharding(mesh, logical_to_spec(x.shape, a, mesh, rules)),
-        abstract, logical_axes(cfg), is_leaf=lambda a: isinstance(a, tuple),
-    )
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

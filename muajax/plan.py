@@ -137,32 +137,21 @@ def _flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def matmul_params(cfg) -> int:
-    """Weights used in matmuls: everything but the embedding lookup (a tied head is a matmul)."""
-    return cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-
-
-def forward_flops(cfg, batch: int, seq: int, keys: int | None = None) -> float:
-    """One forward: 2 FLOPs per matmul weight per token, plus the einsum attention's
-    QK^T and PV over every (query, key) pair (the model computes the full square)."""
-    keys = seq if keys is None else keys
-    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq * keys
-    return batch * (2 * matmul_params(cfg) * seq + attn)
-
-
 def plan_train(args, cfg, mesh) -> dict:
     import jax
     import jax.numpy as jnp
 
     from muajax import parallel
     from muajax.rl.optim import make_optimizer
-    from muajax.rl.step import GRPOOptions, make_grpo_step, model_abstract_params
+    from muajax.models.flops import forward_flops
+    from muajax.rl.grpo import GRPOConfig, make_grpo_step
+    from muajax.rl.step import model_abstract_params
 
     k = 1 if args.microbatch is None else args.batch // args.microbatch
     if args.microbatch is not None and args.batch % args.microbatch:
         raise SystemExit(f"plan: --microbatch {args.microbatch} must divide --batch {args.batch}")
-    opts = GRPOOptions(kl_coef=args.kl_coef, logits_chunk=args.logits_chunk, num_groups=args.batch)
-    step = make_grpo_step(cfg, make_optimizer(1e-6), mesh, options=opts, microbatches=k)
+    opts = GRPOConfig(kl_coef=args.kl_coef, logits_chunk=args.logits_chunk)
+    step = make_grpo_step(cfg, make_optimizer(1e-6), mesh, grpo=opts, num_groups=args.batch, microbatches=k)
     params = model_abstract_params(cfg)
     state = step.abstract_state(params)
     b, t = args.batch, args.seq
@@ -196,6 +185,8 @@ def plan_decode(args, cfg, mesh) -> dict:
 
     from muajax import parallel
     from muajax.models.qwen3 import CACHE_AXES, KVCache, cache_shape, forward
+    from muajax.models.sharding import param_shardings
+    from muajax.models.flops import forward_flops
     from muajax.rl.step import model_abstract_params
 
     slots = args.decode_slots or args.batch
@@ -206,7 +197,7 @@ def plan_decode(args, cfg, mesh) -> dict:
     cache = KVCache(jax.ShapeDtypeStruct(shape, cfg.compute_dtype, sharding=kv_sh),
                     jax.ShapeDtypeStruct(shape, cfg.compute_dtype, sharding=kv_sh),
                     jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=len_sh))
-    p_sh = parallel.param_shardings(cfg, mesh)
+    p_sh = param_shardings(cfg, mesh)
     params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
                           model_abstract_params(cfg), p_sh)
     tok_sh = parallel.batch_sharding(mesh, 2)

@@ -1,7 +1,7 @@
 """`python -m muajax.report RUN_DIR [--out PNG] [--dpi N]`: a run's training-dynamics panel.
 
 Reads `RUN_DIR/metrics.jsonl` (one record per GRPO step, written by
-`muajax.metrics.MetricsWriter`) and draws, against the GRPO step, the curves the paper
+`muajax.train.metrics.MetricsWriter`) and draws, against the GRPO step, the curves the paper
 tracks: mean reward, the all-correct and all-wrong query ratios, turns per episode,
 response length, calls per tool, KL, entropy and gradient norm. If `RUN_DIR/sft/metrics.jsonl`
 exists, the cold-start SFT loss goes in the last panel (against the SFT step). The PNG goes
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from muajax.metrics import JSONL_NAME, read_metrics
+from muajax.train.metrics import JSONL_NAME, read_metrics
 
 __all__ = ["Series", "load_series", "summarize", "draw", "main", "PANELS", "DEFAULT_NAME"]
 

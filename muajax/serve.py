@@ -17,6 +17,12 @@ import argparse
 import os
 import sys
 
+import uvicorn
+
+from muajax.serving.app import bind, create_app
+from muajax.serving.loading import ServeOptions, build_service
+from muajax.train.policy_loading import PolicyLoadError
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m muajax.serve", description=__doc__.splitlines()[0])
@@ -47,37 +53,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def build_service(args):
-    from muajax.policy_loading import load_policy, make_engine
-    from muajax.serving.app import ChatService
-
-    policy = load_policy(args.checkpoint, stage=args.stage, step=args.step, dtype=args.dtype)
-    max_len = min(args.max_len, policy.model_cfg.max_position_embeddings)
-    engine = make_engine(policy, num_slots=args.slots, max_len=max_len, decode_chunk=args.decode_chunk)
-    if args.warmup:
-        import time
-
-        from muajax.serving.scheduler import warmup
-
-        start = time.perf_counter()
-        runs = warmup(engine)
-        print(f"warm-up: {runs} programs compiled in {time.perf_counter() - start:.1f}s", flush=True)
-    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    service = ChatService(engine, policy.tokenizer, name, default_max_tokens=args.max_tokens,
-                          max_queue=args.max_queue, api_key=api_key)
-    return policy, service
+def options_from_args(args) -> ServeOptions:
+    return ServeOptions(checkpoint=args.checkpoint, stage=args.stage, step=args.step, dtype=args.dtype,
+                        slots=args.slots, max_len=args.max_len, max_tokens=args.max_tokens, max_queue=args.max_queue,
+                        decode_chunk=args.decode_chunk, model_name=args.model_name, api_key_env=args.api_key_env,
+                        warmup=args.warmup)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import uvicorn
-
-    from muajax.policy_loading import PolicyLoadError
-    from muajax.serving.app import bind, create_app
-
     try:
-        policy, service = build_service(args)
+        policy, service = build_service(options_from_args(args))
         sock = bind(args.host, args.port)
     except (PolicyLoadError, OSError) as e:
         print(f"muajax.serve: error: {e}", file=sys.stderr, flush=True)

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from muajax.evaluation import pass_hat_k, summarize
-from muajax.trajectory import Trajectory
+from muajax.agent.evaluation import pass_hat_k, summarize
+from muajax.agent.trajectory import Trajectory
 
 
 def test_pass_hat_k_is_the_mean_of_c_choose_k_over_n_choose_k():
@@ -28,7 +28,7 @@ def _trajectory(task, index, reward, partial, calls=()):
 
 
 def test_per_task_records_agree_with_the_summary():
-    from muajax.eval import task_records
+    from muajax.agent.evaluation import task_records
 
     rewards = {"a": [1, 1, 0], "b": [0, 0, 0], "c": [1, 1, 1]}
     trajectories = [_trajectory(t, i, r, 0.5 + 0.5 * r, ["find_user"] * (i + 1))
@@ -46,7 +46,7 @@ def test_per_task_records_agree_with_the_summary():
 
 def test_eval_cli_on_the_builtin_domain(tmp_path, tmp_path_factory, capsys):
     from muajax.eval import main
-    from tests.test_serve import chain_model
+    from tests.serving.test_serve import chain_model
 
     checkpoint = chain_model(tmp_path_factory)  # greedy, it answers with a `calculate` call
     out = tmp_path / "report" / "eval.json"
@@ -64,7 +64,7 @@ def test_eval_cli_on_the_builtin_domain(tmp_path, tmp_path_factory, capsys):
     assert figures["terminations"] == {"max_turns": 4} and figures["turns"] == 3.0
 
     report = json.loads(out.read_text())
-    assert report["summary"]["temperature"] == 0.0 and report["options"]["n"] == 2
+    assert report["summary"]["temperature"] == 0.0 and report["options"]["n_per_task"] == 2
     tasks = report["tasks"]
     assert [t["task_id"] for t in tasks] == ["builtin-test-000", "builtin-test-001"]
     for task in tasks:

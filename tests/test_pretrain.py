@@ -8,10 +8,14 @@ import os
 import numpy as np
 import pytest
 
-from muajax import pretrain, runtime
-from muajax.config import ConfigError, load_config
+from muajax import pretrain
+
+from muajax.domains.builtin.base_record import BASE_META_FILE
+from muajax.domains.registry import make_environment
+from muajax.train import build
+from muajax.config.schema import ConfigError, load_config
 from muajax.models.vocab import DOMAIN_VOCAB_FILE, DomainTokenizer
-from muajax.policy_loading import load_policy
+from muajax.train.policy_loading import load_policy
 from tests.support.tiny_models import make_hf_checkpoint
 
 SMALL = ["model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1,"
@@ -34,10 +38,10 @@ def test_pretrain_writes_an_hf_base_with_its_vocabulary_and_record(base):
     base, figures, log = base
     assert "[warm-up] step 6/6, nll " in log  # without a terminal (no bar) the log still shows progress
     assert figures["steps"] == 6 and figures["nll"] < figures["nll_first"]
-    for name in ("config.json", "model.safetensors", DOMAIN_VOCAB_FILE, pretrain.BASE_META_FILE):
+    for name in ("config.json", "model.safetensors", DOMAIN_VOCAB_FILE, BASE_META_FILE):
         assert (base / name).is_file(), name
     assert sorted(p.name for p in base.glob("step-*")) == ["step-2", "step-4"]  # snapshots; the end is DIR itself
-    meta = json.loads((base / pretrain.BASE_META_FILE).read_text())
+    meta = json.loads((base / BASE_META_FILE).read_text())
     assert meta["shop_seeds"] == [1000, 1001]  # the vocabulary's shop and the one warm-up shop
     assert meta["command"].startswith("python -m muajax.pretrain --out")
     policy = load_policy(str(base))
@@ -52,23 +56,23 @@ def test_a_run_loads_the_base_and_refuses_what_does_not_fit(base, tmp_path, caps
     run = ["model.arch=null", f"model.hf_dir={base}", "model.vocab=domain", f"run.out_dir={tmp_path}",
            *[o for o in SMALL if not o.startswith("model.arch")]]
     cfg = load_config(None, run)
-    model_cfg, tok, hf_dir = runtime.model_and_tokenizer(cfg, runtime.make_environment(cfg), cfg.run_dir)
+    model_cfg, tok, hf_dir = build.model_and_tokenizer(cfg, make_environment(cfg.env), cfg.run_dir)
     assert hf_dir == str(base) and isinstance(tok, DomainTokenizer)
     assert np.array_equal(tok.vocab.qwen_ids, load_policy(str(base)).tokenizer.vocab.qwen_ids)
     assert os.path.isfile(os.path.join(cfg.run_dir, "vocab.json"))  # where evaluation looks for it
     on_its_shop = load_config(None, [*run, "env.builtin_seed=1001"])
     with pytest.raises(ConfigError, match="env.builtin_seed: shop 1001 is one the base model .* was pretrained on"):
-        runtime.model_and_tokenizer(on_its_shop, None, on_its_shop.run_dir)
+        build.model_and_tokenizer(on_its_shop, None, on_its_shop.run_dir)
     full = load_config(None, [*run, "model.vocab=full"])
     with pytest.raises(ConfigError, match="model.vocab: .* holds a domain vocabulary"):
-        runtime.model_and_tokenizer(full, None, full.run_dir)
-    from muajax import train
+        build.model_and_tokenizer(full, None, full.run_dir)
+    from muajax.train import __main__ as train
 
     assert train.main([*run, "model.vocab=full"]) == 2  # the CLI says so and stops, before anything compiles
     assert "config error: model.vocab:" in capsys.readouterr().err
     plain = load_config(None, [*run, f"model.hf_dir={make_hf_checkpoint(str(tmp_path / 'hf'))}"])
     with pytest.raises(ConfigError, match="model.vocab: .* has no domain_vocab.json"):
-        runtime.model_and_tokenizer(plain, None, plain.run_dir)
+        build.model_and_tokenizer(plain, None, plain.run_dir)
 
 
 def test_pretrain_refuses_what_it_cannot_train(tmp_path, capsys):
@@ -89,7 +93,7 @@ def test_pretrain_continues_from_a_base_with_the_system_prompt(base, tmp_path):
         assert pretrain.main(args) == 0
     figures = json.loads(printed.getvalue().strip().splitlines()[-1])
     assert figures["nll"] < figures["nll_first"]
-    meta = json.loads((out / pretrain.BASE_META_FILE).read_text())
+    meta = json.loads((out / BASE_META_FILE).read_text())
     assert meta["system_prompt"] is True and meta["init"]["steps"] == 6
     assert meta["shop_seeds"] == [1000, 1001, 1100, 1101]  # what the earlier base saw counts too
     # the same vocabulary, carried over from the base

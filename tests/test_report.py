@@ -8,7 +8,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from muajax import report
-from muajax.metrics import MetricsWriter
+from muajax.train.metrics import MetricsWriter
 
 
 def grpo_record(step, **override):

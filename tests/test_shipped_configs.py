@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from muajax.config import load_config
+from muajax.config.schema import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = sorted(glob.glob(os.path.join(ROOT, "configs", "runs", "qwen3-*.yaml")))
@@ -33,8 +33,8 @@ def test_the_embedded_default_starts_from_the_shipped_base_which_never_saw_its_s
     import json
 
     from muajax.models.vocab import DomainTokenizer
-    from muajax.policy_loading import load_policy
-    from muajax.pretrain import BASE_META_FILE
+    from muajax.train.policy_loading import load_policy
+    from muajax.domains.builtin.base_record import BASE_META_FILE
 
     cfg = load_config(os.path.join(ROOT, "configs", "embedded-cpu.yaml"))
     assert cfg.model.hf_dir == os.path.join(ROOT, "configs", "embedded-base") and cfg.model.vocab == "domain"

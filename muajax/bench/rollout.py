@@ -200,12 +200,12 @@ def precompile(engine, prompt: list[int]) -> float:
 def run(argv: list[str]) -> dict:
     args = parse(argv)
     os.environ.pop(BENCH_KEY_ENV, None)
-    from muajax.chat import system_prompt_ids
+    from muajax.agent.chat import system_prompt_ids
     from muajax.engine.engine import Engine
-    from muajax.envs.builtin import BuiltinEnvironment
+    from muajax.domains.builtin import BuiltinEnvironment
     from muajax.models.tokenizer import load_tokenizer
-    from muajax.rollout import RolloutOptions, run_rollouts
-    from muajax.users.openai_user import OpenAIUserSimulator
+    from muajax.agent.rollout import RolloutOptions, run_rollouts
+    from muajax.domains.openai_user import OpenAIUserSimulator
 
     tok = load_tokenizer()
     cfg = tiny_config()

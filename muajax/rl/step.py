@@ -6,8 +6,8 @@ returns one microbatch's *unnormalised* loss, the count it is normalised by, and
 of scalar metric sums. The step differentiates loss_sum per microbatch, adds the
 gradients, and divides once by the total denominator, so k microbatches give the
 full-batch gradient exactly (up to float associativity) whatever the normaliser
-(token-mean, seq-mean, ...). `make_grpo_step` and `muajax.rl.sft.make_sft_step` are
-the two instances.
+(token-mean, seq-mean, ...). `muajax.rl.grpo.make_grpo_step` and
+`muajax.rl.sft.make_sft_step` are the two instances.
 
 Batch layout (every array's leading dim is the batch, sharded over (data, fsdp)):
   tokens       int32 [B, T]  the full token sequence, prompt and all turns, right-padded
@@ -26,7 +26,6 @@ is split into microbatches, so a group may straddle microbatches. A batch that c
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -37,9 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax import parallel
 from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix
-from muajax.rl.advantages import group_advantages
 from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
-from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
 from muajax.rl.optim import Optimizer
 
 LossFn = Callable[[Any, Any, dict], tuple[jax.Array, jax.Array, dict]]
@@ -299,101 +296,6 @@ class TrainStep:
 
 def make_train_step(loss_fn: LossFn, optimizer: Optimizer, mesh, param_shardings, **kwargs) -> TrainStep:
     return TrainStep(loss_fn, optimizer, mesh, param_shardings, **kwargs)
-
-
-# ----------------------------------------------------------------------------- GRPO
-
-@dataclasses.dataclass(frozen=True)
-class GRPOOptions:
-    """The loss settings of `muajax.config.GRPOConfig`, defaults as MUA-RL ran them."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = 3.0
-    kl_coef: float = 0.001
-    kl_estimator: str = "k3"
-    agg: str = "token-mean"
-    ratio_level: str = "token"
-    advantage_scale: str = "std"
-    advantage_eps: float = 1e-6
-    temperature: float = 1.0
-    num_groups: int | None = None  # static bound on group ids; None = the batch size
-    logits_chunk: int | None = None
-    shared_prefix: int = 0  # tokens every row starts with (the system prompt): computed once
-
-    @classmethod
-    def from_config(cls, grpo_cfg, *, temperature: float = 1.0, **overrides) -> "GRPOOptions":
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {n: getattr(grpo_cfg, n) for n in names if hasattr(grpo_cfg, n)}
-        return cls(**{**values, "temperature": temperature, **overrides})
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.kl_coef > 0
-
-
-def grpo_loss_fn(cfg: Qwen3Config, opts: GRPOOptions) -> LossFn:
-    """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0."""
-
-    def loss_fn(params, ref_params, mb):
-        tokens = mb["tokens"]
-        targets = shift_left(tokens)
-        mask = shift_left(mb["loss_mask"]).astype(jnp.float32)
-        old = shift_left(mb["old_logprobs"].astype(jnp.float32))
-        logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=opts.temperature,
-                                      logits_chunk=opts.logits_chunk, shared_prefix=opts.shared_prefix)
-        ref_logp = None
-        if opts.uses_reference:
-            ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=opts.temperature,
-                                            logits_chunk=opts.logits_chunk, shared_prefix=opts.shared_prefix)
-            ref_logp = jax.lax.stop_gradient(ref_logp)
-        loss_sum, denom, sums = policy_loss_terms(
-            logp, old, ref_logp, mb["advantages"], mask, clip_low=opts.clip_low, clip_high=opts.clip_high,
-            dual_clip=opts.dual_clip, kl_coef=opts.kl_coef, kl_estimator=opts.kl_estimator, agg=opts.agg,
-            ratio_level=opts.ratio_level)
-        sums = dict(sums, entropy_sum=jax.lax.stop_gradient(jnp.where(mask > 0, ent, 0.0).sum()))
-        return loss_sum, denom, sums
-
-    return loss_fn
-
-
-def grpo_prepare_fn(opts: GRPOOptions) -> Callable[[dict], dict]:
-    def prepare(batch):
-        for key in ("tokens", "loss_mask", "old_logprobs"):
-            if key not in batch:
-                raise KeyError(f"GRPO batch needs {key!r}; got keys {sorted(batch)}")
-        batch = dict(batch)
-        if "advantages" not in batch:
-            if "rewards" not in batch or "group_ids" not in batch:
-                raise KeyError("GRPO batch needs 'advantages' or both 'rewards' and 'group_ids'")
-            num_groups = opts.num_groups or batch["rewards"].shape[0]
-            batch["advantages"] = group_advantages(batch.pop("rewards"), batch.pop("group_ids"), num_groups,
-                                                   scale=opts.advantage_scale, eps=opts.advantage_eps)
-        else:
-            batch.pop("rewards", None)
-            batch.pop("group_ids", None)
-        return batch
-
-    return prepare
-
-
-def grpo_finalize(denom, sums) -> dict:
-    metrics = finalize_policy_metrics(denom, sums)
-    metrics["entropy"] = sums["entropy_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
-    return metrics
-
-
-def make_grpo_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, options: GRPOOptions = GRPOOptions(),
-                   microbatches: int = 1, donate: bool = True) -> TrainStep:
-    """The GRPO update. Call as `step(state, batch, ref_params)`; without KL (kl_coef == 0)
-    as `step(state, batch)` — the reference model is then neither passed nor run."""
-    shardings = parallel.param_shardings(cfg, mesh)
-    step = TrainStep(grpo_loss_fn(cfg, options), optimizer, mesh, shardings, microbatches=microbatches,
-                     prepare_fn=grpo_prepare_fn(options), finalize_fn=grpo_finalize,
-                     frozen_shardings=shardings if options.uses_reference else None,
-                     requires_frozen=options.uses_reference, donate=donate)
-    step.model_cfg, step.options = cfg, options
-    return step
 
 
 def model_abstract_params(cfg: Qwen3Config):

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from muajax.chat import generation_prompt_ids, im_end_id, render_messages_ids
+from muajax.agent.chat import generation_prompt_ids, im_end_id, render_messages_ids
 from muajax.engine.engine import SamplingParams
 from muajax.serving.protocol import (
     ApiError,

@@ -13,7 +13,8 @@ import time
 import uuid
 from typing import Any
 
-from muajax.chat import ParsedAssistant, parse_assistant, strip_control_tokens
+from muajax.agent.assistant_format import ParsedAssistant, parse_assistant
+from muajax.models.tokenizer import strip_control_tokens
 
 MAX_STOP_SEQUENCES = 4
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from muajax.chat import parse_assistant, render_messages_ids
-from muajax.envs.builtin import BuiltinEnvironment
-from muajax.envs.builtin.expert import expert_conversation
+from muajax.agent.assistant_format import parse_assistant
+from muajax.agent.chat import render_messages_ids
+from muajax.domains.builtin import BuiltinEnvironment
+from muajax.domains.builtin.expert import expert_conversation
 from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import UNK_TEXT, DomainTokenizer, DomainVocab
-from muajax.runtime import domain_ids
+from muajax.train.build import domain_ids
 
 
 @pytest.fixture(scope="module")

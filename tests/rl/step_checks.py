@@ -31,14 +31,14 @@ from muajax.models.qwen3 import Qwen3Config, forward, init_params, logical_axes 
 from muajax.rl import group_advantages, policy_loss, token_logprobs  # noqa: E402
 from muajax.rl.optim import make_optimizer  # noqa: E402
 from muajax.rl.sft import make_sft_step  # noqa: E402
-from muajax.rl.step import GRPOOptions, make_grpo_step  # noqa: E402
+from muajax.rl.grpo import GRPOConfig, make_grpo_step  # noqa: E402
 
 # Every sharded dimension divides by 8 (fsdp) and 4 (tensor), so each rule really bites.
 CFG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
                   num_kv_heads=4, head_dim=16, rope_theta=10000.0)
 B, T = 16, 16
-KL = GRPOOptions(kl_coef=0.05)
-NO_KL = GRPOOptions(kl_coef=0.0)
+KL = GRPOConfig(kl_coef=0.05)
+NO_KL = GRPOConfig(kl_coef=0.0)
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 # lr 1e-4: Adam's first step is ~lr*sign(g), so a gradient that is 0 up to float noise
 # (~1e-9 here) moves by O(lr) differently under another summation order; gradients
@@ -84,7 +84,7 @@ def get_step(mesh_shape=(1, 1, 1), k=1, options=KL):
     key = (mesh_shape, k, options)
     if key not in _STEPS:
         mesh = parallel.make_mesh(*mesh_shape, devices=jax.devices()[: math.prod(mesh_shape)])
-        _STEPS[key] = make_grpo_step(CFG, OPT, mesh, options=options, microbatches=k)
+        _STEPS[key] = make_grpo_step(CFG, OPT, mesh, grpo=options, microbatches=k)
     return _STEPS[key]
 
 

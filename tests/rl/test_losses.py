@@ -383,3 +383,25 @@ def test_bad_shapes_raise():
         policy_loss(x, x, None, jnp.zeros(2), jnp.zeros((3, 2)))
     with pytest.raises(ValueError, match="logprobs"):
         policy_loss(jnp.zeros(3), jnp.zeros(3), None, jnp.zeros(3), jnp.zeros(3))
+
+
+def test_kl_clamp_bounds_the_k3_estimate_and_none_leaves_it_unclamped():
+    # one token whose reference logprob is far below the policy's: k3 = e^-d + d - 1 is huge
+    logp = jnp.asarray([[0.0, -0.1]], jnp.float32)
+    ref = jnp.asarray([[-20.0, -0.1]], jnp.float32)
+    args = (logp, logp, ref, jnp.zeros((1,), jnp.float32), jnp.ones((1, 2), jnp.int32))
+    kl = {c: float(policy_loss(*args, kl_coef=1.0, kl_clamp=c)[1]["kl"]) for c in (10.0, 1.0, None)}
+    d = 20.0  # logp - ref on the first token; the second contributes 0
+    assert kl[10.0] == pytest.approx((min(math.exp(-d) + d - 1.0, 10.0)) / 2)
+    assert kl[1.0] == pytest.approx(1.0 / 2)
+    assert kl[None] == pytest.approx((math.exp(-d) + d - 1.0) / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="kl_clamp"):
+        policy_loss(*args, kl_clamp=0.0)
+
+
+def test_the_config_s_kl_clamp_reaches_the_loss():
+    from muajax.config.schema import load_config
+
+    grpo = load_config(None, ["grpo.kl_clamp=2.5"]).grpo
+    assert grpo.loss_settings()["kl_clamp"] == 2.5
+    assert load_config(None, ["grpo.kl_clamp=null"]).grpo.loss_settings()["kl_clamp"] is None

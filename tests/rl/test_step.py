@@ -14,7 +14,8 @@ import pytest
 from muajax import parallel
 from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.optim import make_optimizer, make_schedule
-from muajax.rl.step import GRPOOptions, make_grpo_step, model_abstract_params
+from muajax.rl.grpo import GRPOConfig, make_grpo_step
+from muajax.rl.step import model_abstract_params
 from tests.rl import subproc
 
 
@@ -110,8 +111,8 @@ def test_no_kl_path_traces_no_reference_forward():
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     params = model_abstract_params(CFG)  # shapes are all tracing needs
     opt = make_optimizer(1e-4)
-    no_kl = make_grpo_step(CFG, opt, mesh, options=GRPOOptions(kl_coef=0.0))
-    with_kl = make_grpo_step(CFG, opt, mesh, options=GRPOOptions(kl_coef=1e-3))
+    no_kl = make_grpo_step(CFG, opt, mesh, grpo=GRPOConfig(kl_coef=0.0))
+    with_kl = make_grpo_step(CFG, opt, mesh, grpo=GRPOConfig(kl_coef=1e-3))
     n0, n1 = count_dots(no_kl, params), count_dots(with_kl, params, params)
     # The reference forward adds one forward's matmuls: 7 in the layer body, 2 in attention, the head.
     assert n1 - n0 >= 10, (n0, n1)
@@ -124,7 +125,7 @@ def test_no_kl_path_traces_no_reference_forward():
 
 def test_bad_batches_fail_before_compiling():
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    step = make_grpo_step(CFG, make_optimizer(1e-4), mesh, options=GRPOOptions(kl_coef=0.0), microbatches=4)
+    step = make_grpo_step(CFG, make_optimizer(1e-4), mesh, grpo=GRPOConfig(kl_coef=0.0), microbatches=4)
     with pytest.raises(ValueError, match="4 microbatches"):
         step(None, tiny_batch(b=6))
     ragged = tiny_batch()

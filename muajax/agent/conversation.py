@@ -1,0 +1,172 @@
+"""One rollout's host-side state machine: the tokens it was fed, what the agent sampled,
+and where each message went, recorded as a `Trajectory`.
+
+Decisions worth knowing:
+- A turn cut at `max_new_tokens_per_turn` (finish "length") is parsed and routed like any
+  other: its text is what the agent said (a cut tool call parses as malformed). The host
+  then closes the turn with `<|im_end|>` (mask 0: never sampled), so the next turn sees
+  the chat format it was trained on.
+- `max_turns` counts user replies and tool observations (as MUA-RL does). The episode ends
+  right after the max_turns-th one, which is recorded in `messages` but not appended to
+  the tokens (no generation would read it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from muajax.agent import trajectory as tr
+from muajax.agent.calls import END, TOOL, UNKNOWN_TOOL, USER, Route, route_assistant, safe_text
+from muajax.agent.rollout_config import RolloutConfig
+from muajax.agent.chat import after_assistant_ids, generation_prompt_ids, im_end_id, tool_response_ids, user_turn_ids
+from muajax.agent.trajectory import Trajectory
+from muajax.domains.base import (OUT_OF_SCOPE, STOP, TRANSFER, EnvSession, Observation, Task, UserSession, UserTurn,
+                                 find_end_token)
+from muajax.domains.general_tools import TRANSFER_TOOL
+
+log = logging.getLogger(__name__)
+
+END_TOKEN_TERMINATION = {STOP: tr.USER_STOP, TRANSFER: tr.USER_TRANSFER, OUT_OF_SCOPE: tr.USER_OUT_OF_SCOPE}
+
+
+class Conversation:
+    """One rollout's host-side state machine. It never touches the engine or awaits: the
+    driver feeds it generations and observations and appends the ids it returns. Its
+    state is the `Trajectory` it fills in (`record`)."""
+
+    def __init__(self, tokenizer, options: RolloutConfig, task: Task, *, group_id: int, rollout_index: int,
+                 seed: int, session: EnvSession, user_session: UserSession | None, system_ids: Sequence[int],
+                 schemas: Mapping[str, dict[str, Any]], max_context: int):
+        self.tok, self.opts, self.task, self.seed = tokenizer, options, task, seed
+        self.session, self.user_session, self.schemas = session, user_session, schemas
+        self.max_context = max_context
+        self.im_end = im_end_id(tokenizer)
+        first = safe_text(task.first_user_message)
+        prompt = list(system_ids) + user_turn_ids(tokenizer, first) + generation_prompt_ids(tokenizer)
+        self.record = Trajectory(task_id=task.task_id, group_id=group_id, rollout_index=rollout_index, seed=seed,
+                                 tokens=prompt, loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
+                                 prompt_len=len(prompt), messages=[{"role": "user", "content": first}],
+                                 termination="")
+        self.pending: Route | None = None
+        self.close_turn = False  # the last turn lacks a sampled <|im_end|>: the host writes one
+        self.slot: int | None = None
+        self.started = time.perf_counter()
+        if len(prompt) >= max_context:
+            self._end(tr.CONTEXT)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.record.termination)
+
+    def _end(self, termination: str, error: str | None = None) -> None:
+        self.record.termination, self.pending = termination, None
+        self.record.error = error if error is not None else self.record.error
+        self.record.wall_s = time.perf_counter() - self.started
+
+    def budget(self) -> int:
+        """New tokens the next generation may sample."""
+        return max(1, min(self.opts.max_new_tokens_per_turn, self.max_context - len(self.record.tokens)))
+
+    def _extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+        r = self.record
+        r.tokens.extend(ids)
+        r.loss_mask.extend([mask] * len(ids))
+        r.logprobs.extend([0.0] * len(ids) if logprobs is None else (float(x) for x in logprobs))
+
+    def on_generation(self, tokens: Sequence[int], logprobs: Sequence[float], finish_reason: str) -> Route:
+        r = self.record
+        if self.done or self.pending is not None:
+            raise RuntimeError(f"conversation {r.task_id}/{r.rollout_index} got a generation it did not ask for")
+        tokens = [int(t) for t in tokens]
+        start = len(r.tokens)
+        self._extend(tokens, 1, logprobs)
+        r.sampled_spans.append((start, len(r.tokens)))
+        r.assistant_turns += 1
+        self.close_turn = not tokens or tokens[-1] != self.im_end
+        text = safe_text(self.tok.decode(tokens if self.close_turn else tokens[:-1], skip_special_tokens=False))
+        r.assistant_texts.append(text)
+        if finish_reason == "length":
+            if len(r.tokens) >= self.max_context:
+                finish_reason = "context"  # cut by our max_context, not by the turn budget
+            else:
+                r.truncated_turns += 1
+        route = route_assistant(text, finish_reason, self.schemas, end_on_malformed_call=self.opts.end_on_malformed_call,
+                                id_prefix=f"call_{r.assistant_turns}")
+        r.messages.append(route.message)
+        r.malformed_calls += route.malformed is not None
+        if route.kind == END:
+            self._end(route.termination)
+            return route
+        if route.kind == TOOL and route.call is not None:
+            r.tool_calls[route.call.name if route.call.name in self.schemas else UNKNOWN_TOOL] += 1
+        self.pending = route
+        return route
+
+    def on_tool_result(self, observation: Observation) -> list[int] | None:
+        """The next turn's ids to append, or None when the episode is over."""
+        route = self._expect(TOOL)
+        content = safe_text(observation.content)
+        message: dict[str, Any] = {"role": "tool", "content": content}
+        if route.call is not None:
+            message.update(tool_call_id=route.call_id, name=route.call.name)
+        self.record.messages.append(message)
+        self.record.turns += 1
+        if observation.done:
+            called = route.call.name if route.call is not None else None
+            return self._end(tr.TRANSFER if called == TRANSFER_TOOL else tr.ENV_DONE)
+        return self._next(tool_response_ids(self.tok, [content]))
+
+    def on_user_turn(self, turn: UserTurn, latency_s: float) -> list[int] | None:
+        self._expect(USER)
+        self.record.user_latency_s.append(float(latency_s))
+        if turn.failed:
+            return self._end(tr.USER_ERROR, turn.error or "the user simulator failed")
+        text = safe_text(turn.text)
+        self.record.messages.append({"role": "user", "content": text})
+        self.record.turns += 1
+        end = turn.end or find_end_token(text)
+        if end is not None:
+            return self._end(END_TOKEN_TERMINATION.get(end, tr.USER_STOP))
+        return self._next(user_turn_ids(self.tok, text))
+
+    def _expect(self, kind: str) -> Route:
+        if self.pending is None or self.pending.kind != kind:
+            raise RuntimeError(f"conversation {self.task.task_id}/{self.record.rollout_index} is not waiting for "
+                               f"a {kind}")
+        return self.pending
+
+    def _next(self, turn_ids: list[int]) -> list[int] | None:
+        if self.record.turns >= self.opts.max_turns:
+            return self._end(tr.MAX_TURNS)
+        ids = ([self.im_end] if self.close_turn else []) + after_assistant_ids(self.tok) + turn_ids
+        ids += generation_prompt_ids(self.tok)
+        if len(self.record.tokens) + len(ids) >= self.max_context:  # not even one token could be sampled
+            return self._end(tr.CONTEXT)
+        self._extend(ids, 0)
+        self.pending = None
+        return ids
+
+    def trajectory(self) -> Trajectory:
+        """Evaluate (off the driver: it may be slow) and return the record. Evaluation errors
+        give reward 0 and `details["evaluate_error"]`."""
+        r = self.record
+        try:
+            evaluation = self.session.evaluate(r.messages, communicate_info=self.opts.communicate_info)
+            r.reward, r.partial = float(evaluation.reward), float(evaluation.partial)
+            r.details = dict(evaluation.details)
+        except Exception as e:
+            log.exception("evaluating %s/%d failed", r.task_id, r.rollout_index)
+            r.details = {"evaluate_error": f"{type(e).__name__}: {e}"}
+        finally:
+            close_quietly(self.session)
+        return r
+
+
+def close_quietly(session: EnvSession | None) -> None:
+    try:
+        if session is not None:
+            session.close()
+    except Exception:
+        log.exception("closing an environment session failed")

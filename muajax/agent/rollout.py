@@ -1,0 +1,259 @@
+"""The host-side multi-turn rollout loop: tasks x n conversations -> `Trajectory`s.
+
+Each conversation gets a fresh environment session (`env.reset(task)`), its own simulated
+user and one engine slot (more conversations than slots queue for one). One driver
+coroutine owns the engine: it alternates `engine.step()` (one decode chunk over every
+generating slot, in a worker thread so the event loop serves HTTP meanwhile) with handling
+the user replies and tool results that arrived. Those are asyncio tasks / thread-pool jobs
+that only post to an inbox, so while one conversation waits on its user the others decode.
+Each conversation is a `Conversation` (its state machine), each message routed by
+`muajax.agent.calls`.
+
+Per-rollout seeds derive from (seed, task index, rollout index) and the engine's sampling
+key from (seed, position): samples do not depend on scheduling or batch composition.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from muajax.agent import trajectory as tr
+from muajax.agent.calls import END, TOOL, USER, execute_tool, tool_schemas
+from muajax.agent.chat import system_prompt_ids
+from muajax.agent.conversation import Conversation, close_quietly
+from muajax.agent.trajectory import RolloutBatch, Trajectory
+from muajax.domains.base import Environment, Observation, Task, ToolCall, UserSimulator, UserTurn
+from muajax.agent.rollout_config import RolloutConfig
+from muajax.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
+    """A uint32 sampling seed that depends only on (seed, task index, rollout index)."""
+    if min(seed, task_index, rollout_index) < 0:
+        raise ValueError(f"seeds and indices must be >= 0, got {seed}, {task_index}, {rollout_index}")
+    return int(np.random.SeedSequence([seed, task_index, rollout_index]).generate_state(1, np.uint32)[0])
+
+
+class _Driver:
+    def __init__(self, engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task],
+                 options: RolloutConfig, seed: int, first_task_index: int = 0):
+        self.engine, self.tok, self.env, self.user = engine, tokenizer, env, user
+        self.tasks, self.opts, self.seed, self.first_task_index = list(tasks), options, seed, first_task_index
+        self.max_context = options.max_context
+        if self.max_context > engine.max_len:
+            raise ValueError(f"max_context={self.max_context} exceeds the engine's max_len={engine.max_len}")
+        self.queue = collections.deque((ti, ri) for ti in range(len(self.tasks)) for ri in range(options.n_per_task))
+        self.live: dict[int, Conversation] = {}
+        self.in_flight: set[asyncio.Task] = set()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.evaluations: list[asyncio.Future] = []
+        self.setup_failures: list[Trajectory] = []
+        self._system_ids: dict[str, list[int]] = {}
+        self.stats = {"steps": 0, "peak_live": 0, "wait_s": 0.0}
+
+    def _system(self, schemas: Sequence[dict[str, Any]], task: Task) -> list[int]:
+        text = self.opts.system_text if self.opts.system_text is not None else self.env.policy_for(task)
+        key = json.dumps([text, schemas], sort_keys=True, default=str)
+        if key not in self._system_ids:
+            self._system_ids[key] = system_prompt_ids(self.tok, text, schemas)
+        return self._system_ids[key]
+
+    def _new_conversation(self, ti: int, ri: int) -> Conversation | None:
+        task, session = self.tasks[ti], None
+        ti += self.first_task_index  # the global task index: seeds and group ids match a one-process run
+        seed = rollout_seed(self.seed, ti, ri)
+        try:
+            session = self.env.reset(task)
+            user_session = self.user.start(task, session)
+            tools = session.tools()
+            return Conversation(self.tok, self.opts, task, group_id=ti, rollout_index=ri, seed=seed, session=session,
+                                user_session=user_session, system_ids=self._system(tools, task),
+                                schemas=tool_schemas(session), max_context=self.max_context)
+        except Exception as e:
+            log.exception("setting up %s/%d failed", getattr(task, "task_id", task), ri)
+            close_quietly(session)
+            self.setup_failures.append(Trajectory(
+                task_id=str(getattr(task, "task_id", ti)), group_id=ti, rollout_index=ri, seed=seed, tokens=[],
+                loss_mask=[], logprobs=[], prompt_len=0, messages=[], termination=tr.SETUP_ERROR,
+                error=f"{type(e).__name__}: {e}"))
+            return None
+
+    def _admit(self) -> None:
+        while self.queue and self.engine.free_slots > 0:
+            conv = self._new_conversation(*self.queue.popleft())
+            if conv is None:
+                continue
+            if conv.done:  # the prompt alone fills the context
+                self._finish(conv)
+                continue
+            conv.slot = self.engine.open(conv.record.tokens, seed=conv.seed)
+            self.live[conv.slot] = conv
+            self.engine.start(conv.slot, self.opts.sampling(conv.budget()))
+        self.stats["peak_live"] = max(self.stats["peak_live"], len(self.live))
+
+    def _on_generation(self, gen) -> None:
+        conv = self.live[gen.slot]
+        route = conv.on_generation(gen.tokens, gen.logprobs, gen.finish_reason)
+        self._check_sync(conv)
+        if route.kind == END:
+            self._finish(conv)
+        elif route.kind == USER:
+            self.in_flight.add(asyncio.ensure_future(self._ask_user(conv, route.user_text)))
+        elif route.call is None:  # nothing to execute: the parse error is the observation
+            self._continue(conv, conv.on_tool_result(Observation(route.error_observation, error=True)))
+        else:
+            self.in_flight.add(asyncio.ensure_future(self._run_tool(conv, route.call)))
+
+    def _handle(self, item) -> None:
+        task, kind, conv, payload, latency = item
+        self.in_flight.discard(task)
+        ids = conv.on_user_turn(payload, latency) if kind == USER else conv.on_tool_result(payload)
+        self._continue(conv, ids)
+
+    def _continue(self, conv: Conversation, ids: list[int] | None) -> None:
+        if ids is None:
+            self._finish(conv)
+            return
+        self.engine.append(conv.slot, ids)
+        self._check_sync(conv)
+        self.engine.start(conv.slot, self.opts.sampling(conv.budget()))
+
+    def _check_sync(self, conv: Conversation) -> None:
+        # The trajectory must be exactly what the engine was fed; a mismatch is a bug here.
+        if self.engine.length(conv.slot) != len(conv.record.tokens):
+            raise RuntimeError(f"rollout bookkeeping bug: slot {conv.slot} holds {self.engine.length(conv.slot)} "
+                               f"tokens but the trajectory has {len(conv.record.tokens)}")
+
+    def _finish(self, conv: Conversation) -> None:
+        if conv.slot is not None:
+            self.engine.release(conv.slot)
+            del self.live[conv.slot]
+        loop = asyncio.get_running_loop()
+        self.evaluations.append(loop.run_in_executor(self.pool, conv.trajectory))
+
+    # -- I/O jobs: they only post to the inbox
+    async def _ask_user(self, conv: Conversation, text: str) -> None:
+        start = time.perf_counter()
+        try:
+            if self.opts.user_timeout_s is None:
+                turn = await conv.user_session.reply(text)
+            else:
+                async with asyncio.timeout(self.opts.user_timeout_s):
+                    turn = await conv.user_session.reply(text)
+            if not isinstance(turn, UserTurn):
+                turn = UserTurn("", failed=True, error=f"reply returned {type(turn).__name__}, not a UserTurn")
+        except TimeoutError:
+            turn = UserTurn("", failed=True, error=f"no reply within user_timeout_s={self.opts.user_timeout_s:g}")
+        except Exception as e:
+            log.exception("user simulator raised for %s/%d", conv.task.task_id, conv.record.rollout_index)
+            turn = UserTurn("", failed=True, error=f"{type(e).__name__}: {e}")
+        self.inbox.put_nowait((asyncio.current_task(), USER, conv, turn, time.perf_counter() - start))
+
+    async def _run_tool(self, conv: Conversation, call: ToolCall) -> None:
+        obs = await asyncio.get_running_loop().run_in_executor(self.pool, execute_tool, conv.session, call)
+        self.inbox.put_nowait((asyncio.current_task(), TOOL, conv, obs, 0.0))
+
+    # -- the loop
+    async def run(self) -> RolloutBatch:
+        engine = self.engine
+        stats0 = dict(engine.stats)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.opts.tool_workers, thread_name_prefix="muajax-tools")
+        engine_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="muajax-engine")
+        t0 = time.perf_counter()
+        try:
+            while True:
+                self._admit()
+                while not self.inbox.empty():
+                    self._handle(self.inbox.get_nowait())
+                generating = any(engine.is_generating(s) for s in self.live)
+                if generating and (self.opts.overlap_io or not self.in_flight):
+                    generations = await asyncio.wrap_future(engine_pool.submit(engine.step))
+                    self.stats["steps"] += 1
+                    for gen in generations:
+                        self._on_generation(gen)
+                elif self.in_flight:
+                    waited = time.perf_counter()
+                    self._handle(await self.inbox.get())
+                    self.stats["wait_s"] += time.perf_counter() - waited
+                elif self.live:
+                    raise RuntimeError("rollout bug: conversations are live but none is decoding or waiting")
+                elif self.queue:
+                    raise RuntimeError(f"the engine has no free slot (all {engine.num_slots} are held "
+                                       "elsewhere): release some before running rollouts")
+                else:
+                    break
+            trajectories = list(await asyncio.gather(*self.evaluations)) + self.setup_failures
+        finally:
+            await self._cleanup(engine_pool)
+        wall = time.perf_counter() - t0
+        if trajectories and all(t.termination == tr.SETUP_ERROR for t in trajectories):
+            raise RuntimeError(f"all {len(trajectories)} conversations failed to start; the first error: "
+                               f"{trajectories[0].error}")
+        device = engine.stats["device_s"] - stats0["device_s"]
+        return RolloutBatch(sorted(trajectories, key=lambda t: (t.group_id, t.rollout_index)), {
+            "wall_s": wall, "device_s": device, "busy_share": device / wall if wall > 0 else 0.0,
+            "conversations": len(trajectories), **self.stats,
+            **{k: engine.stats[k] - stats0[k] for k in ("decode_tokens", "extend_tokens", "decode_calls")}})
+
+    async def _cleanup(self, engine_pool) -> None:
+        for task in self.in_flight:
+            task.cancel()
+        await asyncio.gather(*self.in_flight, return_exceptions=True)
+        # A step still running in its thread (the driver was cancelled) must end before the
+        # slots it uses are released.
+        engine_pool.shutdown(wait=True)
+        for slot, conv in list(self.live.items()):
+            with contextlib.suppress(KeyError):  # already released
+                self.engine.release(slot)
+            close_quietly(conv.session)
+        self.live.clear()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task], *,
+                       options: RolloutConfig | None = None, seed: int = 0, first_task_index: int = 0,
+                       **overrides) -> RolloutBatch:
+    """Roll out every task `n_per_task` times; returns the trajectories ordered by (task, rollout).
+
+    `overrides` are `RolloutConfig` fields (e.g. `n_per_task=4, max_turns=10`) applied on
+    top of `options` (default: `RolloutConfig.for_engine(engine.max_len)`). All slots this
+    call opens are released when it returns or raises.
+    `tasks` may be one process's share of a step that starts at task `first_task_index`: seeds
+    and group ids are then those the whole step gives them (`muajax.train.distributed`).
+    """
+    options = (dataclasses.replace(options, **overrides) if options is not None
+               else RolloutConfig.for_engine(engine.max_len, **overrides))
+    if not tasks:
+        return RolloutBatch([], {"wall_s": 0.0, "device_s": 0.0, "busy_share": 0.0, "conversations": 0})
+    return await _Driver(engine, tokenizer, env, user, tasks, options, seed, first_task_index).run()
+
+
+_thread_loops = threading.local()
+
+
+def run_rollouts_sync(*args, **kwargs) -> RolloutBatch:
+    """`run_rollouts` from synchronous code. Calls from one thread share one event loop, so a
+    user simulator holding HTTP connections (bound to a loop) can be reused across calls."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("run_rollouts_sync was called from a running event loop: `await run_rollouts(...)`")
+    loop = getattr(_thread_loops, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _thread_loops.loop = asyncio.new_event_loop()
+    return loop.run_until_complete(run_rollouts(*args, **kwargs))

@@ -1,0 +1,51 @@
+"""How rollouts run: the `rollout:` section of a run config, also built directly in code."""
+from __future__ import annotations
+
+import dataclasses
+
+from muajax.config.fields import Checked, bounded, check
+from muajax.engine.engine import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Checked):
+    n_per_task: int = bounded(8, ge=1)  # rollouts per task: the GRPO group
+    tasks_per_step: int = bounded(32, ge=1)  # tasks of one GRPO step (the trainer's)
+    max_turns: int = bounded(30, ge=1)  # user replies and tool observations both count
+    max_new_tokens_per_turn: int = bounded(1024, ge=1)
+    max_context: int = bounded(32768, ge=2)  # tokens of one conversation, prompt included
+    # sampling: checked by the engine's `SamplingParams`, the one place its rules live
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    end_on_malformed_call: bool = False  # the released code ends; an error observation is friendlier
+    num_slots: int | None = bounded(None, ge=1)  # concurrent KV slots; None = all rollouts of a step
+    # τ-bench's check that required facts were told to the user, in the reward: off in
+    # training, as MUA-RL ran it (evaluation turns it on with `eval.communicate_info`).
+    communicate_info: bool = False
+    system_text: str | None = None  # the agent's system prompt; None = the domain's policy
+    user_timeout_s: float | None = bounded(None, gt=0)  # one whole user turn, on top of the simulator's own
+    tool_workers: int = bounded(8, ge=1)  # threads for tool calls and evaluation
+    # False = the reference mode that waits for every pending user reply / tool result
+    # before decoding anything else (the benchmark's baseline; also handy when debugging).
+    overlap_io: bool = True
+
+    def validate(self) -> None:
+        try:
+            self.sampling(1)
+        except ValueError as e:
+            field = next((n for n in ("temperature", "top_p", "top_k") if n in str(e)), "temperature")
+            check(False, field, str(e).removeprefix(field + " "))
+        check(self.max_new_tokens_per_turn < self.max_context, "max_new_tokens_per_turn",
+              f"({self.max_new_tokens_per_turn}) must be smaller than max_context ({self.max_context})")
+
+    @classmethod
+    def for_engine(cls, max_len: int, **values) -> RolloutConfig:
+        """The defaults, fitted to an engine of `max_len` tokens per conversation."""
+        values.setdefault("max_context", max_len)
+        values.setdefault("max_new_tokens_per_turn", min(cls.max_new_tokens_per_turn, values["max_context"] - 1))
+        return cls(**values)
+
+    def sampling(self, max_new_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=max_new_tokens)

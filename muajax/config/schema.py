@@ -1,0 +1,321 @@
+"""The run configuration: typed, frozen dataclasses loaded from YAML plus dotted overrides.
+
+`load_config("run.yaml", ["grpo.learning_rate=2e-6"])` reads the file (following its
+`base:` chain, relative paths), applies the overrides (YAML-typed values), builds and
+validates the `TrainConfig`; every error is a `ConfigError` naming the dotted key. Configs
+hold only the *names* of environment variables for secrets (`user.api_key_env`).
+
+Defaults follow the paper's settings "as run" (shared/PAPER.md). Sections whose classes
+code also builds directly live next to that code and are composed here: `rollout`
+(`muajax.agent.rollout_config`) and `grpo` (`muajax.rl.grpo`, with the GRPO variants as
+value sets). The machinery is `muajax.config.fields` (typed dataclasses) and
+`muajax.config.loader` (YAML files and overrides).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from muajax import parallel
+from muajax.agent.rollout_config import RolloutConfig
+from muajax.config.fields import ConfigError, bounded, check, from_dict
+from muajax.config.loader import deep_merge, parse_overrides, read_yaml
+from muajax.domains.builtin.tasks import check_kind_weights
+from muajax.rl.grpo import GRPOConfig
+
+__all__ = ["ConfigError", "load_config", "TrainConfig", "RunConfig", "ArchConfig", "ModelConfig", "MeshConfig",
+           "McpServerConfig", "McpConfig", "EnvConfig", "UserConfig", "RolloutConfig", "GRPOConfig", "SFTConfig",
+           "CheckpointConfig", "MetricsConfig", "EvalConfig"]
+
+
+Stage = Literal["sft", "grpo"]
+Dtype = Literal["float32", "bfloat16"]
+Schedule = Literal["constant", "warmup_cosine"]
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "muajax"
+    out_dir: str = "runs"
+    seed: int = 0
+    stages: tuple[Stage, ...] = ("grpo",)
+
+    def validate(self) -> None:
+        stages = list(self.stages)
+        check(bool(self.name) and not re.search(r"[/\\]", self.name) and self.name not in (".", ".."),
+              "name", f"must be a plain directory name, got {self.name!r}")
+        check(len(stages) > 0, "stages", "must list at least one of 'sft', 'grpo'")
+        check(len(set(stages)) == len(stages) and stages == sorted(stages, key=("sft", "grpo").index), "stages",
+              f"must list each stage once, 'sft' (the cold start) before 'grpo', got {stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchConfig:
+    """An inline architecture: by default a tiny Qwen3 for CPU runs and tests (with Qwen3's
+    vocabulary, so the real tokenizer's ids fit)."""
+
+    vocab_size: int = bounded(151936, ge=1)
+    hidden_size: int = bounded(64, ge=1)
+    intermediate_size: int = bounded(128, ge=1)
+    num_layers: int = bounded(2, ge=1)
+    num_heads: int = bounded(4, ge=1)
+    num_kv_heads: int = bounded(2, ge=1)
+    head_dim: int = bounded(16, ge=1)
+    rope_theta: float = bounded(1_000_000.0, gt=0)
+    rms_norm_eps: float = bounded(1e-6, gt=0)
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = bounded(40960, ge=1)
+
+    def validate(self) -> None:
+        check(self.num_heads % self.num_kv_heads == 0, "num_heads", f"({self.num_heads}) must be a multiple "
+              f"of num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Exactly one source: a named `preset`, an HF checkpoint folder `hf_dir`, or `arch`."""
+
+    preset: str | None = None
+    hf_dir: str | None = None
+    arch: ArchConfig | None = dataclasses.field(default_factory=ArchConfig)
+    param_dtype: Dtype = "float32"
+    dtype: Dtype = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+    # "domain": renumber the tokenizer's ids to the subset the domain uses (tiny CPU
+    # models; see muajax.models.vocab): built for an inline `arch`, or read from an
+    # `hf_dir` checkpoint's domain_vocab.json.
+    vocab: Literal["full", "domain"] = "full"
+
+    def validate(self) -> None:
+        given = [n for n in ("preset", "hf_dir", "arch") if getattr(self, n) is not None]
+        hint = " (add 'model.arch=null' to drop the inline architecture)" if "arch" in given[1:] else ""
+        check(len(given) == 1, "preset", "conflicts: set exactly one of model.preset, model.hf_dir, "
+              f"model.arch; got {given or 'none'}{hint}")
+        check(self.vocab == "full" or self.preset is None, "vocab",
+              "'domain' needs an inline model.arch or an hf_dir with a domain_vocab.json (a preset's "
+              "vocabulary is Qwen3's)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device-mesh axis sizes; one of them may be -1, meaning "all remaining devices"."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def validate(self) -> None:
+        wild = [n for n in ("data", "fsdp", "tensor") if getattr(self, n) == -1]
+        for name in ("data", "fsdp", "tensor"):
+            size = getattr(self, name)
+            check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (the rest of the devices), got {size}")
+            if name in wild[1:]:
+                check(False, name, f"is -1 but so is {wild[0]}; at most one axis may be -1")
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) for `num_devices`, filling in the -1 axis."""
+        try:
+            return parallel.resolve_mesh_shape(self.data, self.fsdp, self.tensor, num_devices)
+        except ValueError as e:
+            raise ConfigError(f"{e} (set one axis to -1 to absorb the rest)") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class McpServerConfig:
+    """An MCP server launched from `command` (stdio) or reached at `url`; credentials reach
+    it only through the environment variables named in `env_vars`."""
+
+    command: tuple[str, ...] = ()
+    url: str | None = None
+    env_vars: tuple[str, ...] = ()
+    timeout_s: float = bounded(30.0, gt=0)
+
+    def validate(self) -> None:
+        check(bool(self.command) != (self.url is not None), "command",
+              "conflicts: set exactly one of 'command' (stdio server) or 'url'")
+        for i, name in enumerate(self.env_vars):
+            check(bool(_ENV_NAME.match(name)), f"env_vars[{i}]", "must be an environment variable name")
+
+
+@dataclasses.dataclass(frozen=True)
+class McpConfig:
+    servers: dict[str, McpServerConfig] = dataclasses.field(default_factory=dict)
+    scenarios: str | None = None  # a file of tasks for the MCP domain
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    # "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is evaluation-only: no train split
+    domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl"] = "builtin"
+    # several τ2 domains trained together (e.g. [retail, airline]); overrides `domain`
+    domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
+    builtin_seed: int = 0  # the built-in domain's database and tasks
+    builtin_terse_tools: bool = False  # shorter tool schemas in the prompt (tiny CPU runs)
+    # The built-in database's size: many distinct users (names, zips, ids) make a tiny model
+    # learn to copy from the conversation rather than memorise the few it saw.
+    builtin_users: int = bounded(60, ge=2, le=300)
+    builtin_test_users: int = bounded(12, ge=0)  # 0: shared users, held-out tasks
+    builtin_train_tasks: int = bounded(200, ge=1)
+    builtin_test_tasks: int = bounded(50, ge=1)
+    # The share of each task kind in both splits (kind -> weight; null: the domain's own mix).
+    builtin_kind_weights: dict[str, float] | None = None
+    bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
+                           "multi_turn_long_context"] = "multi_turn_base"
+    train_split: str = "train"
+    eval_split: str = "test"
+    mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
+
+    def validate(self) -> None:
+        check(self.domain != "mcp" or bool(self.mcp.servers), "mcp.servers",
+              "must define at least one server when env.domain is 'mcp'")
+        if self.builtin_kind_weights is not None:
+            try:
+                check_kind_weights(self.builtin_kind_weights)
+            except ValueError as exc:
+                check(False, "builtin_kind_weights", str(exc))
+
+
+@dataclasses.dataclass(frozen=True)
+class UserConfig:
+    """The simulated user. For `openai` the key is read from the env var `api_key_env`."""
+
+    kind: Literal["scripted", "openai"] = "scripted"
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = "OPENAI_API_KEY"
+    timeout_s: float = bounded(60.0, gt=0)
+    max_retries: int = bounded(3, ge=0)
+    max_concurrency: int = bounded(16, ge=1)
+    temperature: float = bounded(0.0, ge=0)  # the paper's simulated user ran greedy in training
+
+    def validate(self) -> None:
+        check(self.kind != "openai" or bool(self.model), "model", "is required when user.kind is 'openai'")
+        # A pasted key (e.g. 'sk-...') fails this pattern; the value is not echoed.
+        check(self.api_key_env is None or bool(_ENV_NAME.match(self.api_key_env)), "api_key_env",
+              "must be the NAME of an environment variable (letters, digits, '_'), not the key itself")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    data: str | None = None  # a JSONL file of conversations (python -m muajax.synth)
+    # With no data on the built-in domain, the scripted expert writes it; this share of its
+    # tasks it handles carelessly (writes before the user confirms), like real cold-start data.
+    expert_careless: float = bounded(0.3, ge=0, le=1)
+    steps: int | None = bounded(None, ge=1)  # caps the epochs
+    weight_decay: float = bounded(0.01, ge=0)
+    grad_clip: float | None = bounded(1.0, gt=0)
+    epochs: int = bounded(2, ge=1)
+    batch_size: int = bounded(128, ge=1)
+    learning_rate: float = bounded(5e-6, gt=0)
+    schedule: Schedule = "warmup_cosine"
+    warmup_ratio: float = bounded(0.0, ge=0, lt=1)
+    max_len: int = bounded(32768, ge=1)
+    microbatch_size: int | None = bounded(None, ge=1)
+    # Loss weight of the conversation's other tokens (user turns, tool results; never the
+    # system prompt) beside the assistant's own (weight 1). MUA-RL's cold start uses 0. A
+    # model trained from scratch (the embedded default) has no pretraining to copy ids and
+    # names with; predicting the whole dialogue gives it that signal in the same forward.
+    context_weight: float = bounded(0.0, ge=0)
+    # Steps of synthetic copy training (a span, then the span again) before the SFT data:
+    # the in-context copying a pretrained base model brings, for models trained from
+    # scratch (the embedded default). 0 for pretrained checkpoints.
+    copy_warmup_steps: int = bounded(0, ge=0)
+    copy_warmup_length: int = bounded(256, ge=4)
+    # Steps on short windows of the built-in domain's expert conversations in *other* shops
+    # (other database seeds), each ending at a tool call, before the SFT data: dense practice
+    # at copying names, zips and ids into calls, which a model trained from scratch lacks
+    # (muajax.domains.builtin.warmup). Built-in domain only; 0 for pretrained checkpoints.
+    domain_warmup_steps: int = bounded(0, ge=0)
+    domain_warmup_batch_size: int = bounded(32, ge=1)
+    domain_warmup_shops: int = bounded(8, ge=1)
+    # Open each window with the run's system prompt (policy and tools; shared, so computed
+    # once per batch): a model that never saw that prompt is lost behind it.
+    domain_warmup_system_prompt: bool = False
+
+    def validate(self) -> None:
+        check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",
+              f"({self.microbatch_size}) must divide batch_size ({self.batch_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <run.out_dir>/<run.name>/checkpoints
+    every_steps: int = bounded(10, ge=1)
+    keep: int = bounded(3, ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    trials: int = bounded(4, ge=1)  # τ2's n for pass^k
+    temperature: float = bounded(0.0, ge=0)
+    communicate_info: bool = True  # τ-bench's output check: dropped in training, kept here
+    max_tasks: int | None = bounded(None, ge=1)  # evaluate on the first N tasks of the split
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    user: UserConfig = dataclasses.field(default_factory=UserConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.out_dir, self.run.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    def validate(self) -> None:
+        r, arch, mb = self.rollout, self.model.arch, self.grpo.microbatch_size
+        check(self.env.domain != "bfcl", "env.domain",
+              "'bfcl' has no train split (BFCL-v3 is an evaluation benchmark): evaluate with "
+              "`python -m muajax.eval --domain bfcl`")
+        check("sft" not in self.run.stages or self.sft.data is not None or self.env.domain == "builtin",
+              "sft.data", "is required when run.stages includes 'sft' (only the built-in domain has an expert "
+              "to synthesize it)")
+        check(not self.sft.domain_warmup_steps or self.env.domain == "builtin", "sft.domain_warmup_steps",
+              f"needs env.domain 'builtin' (its windows come from the built-in shop), got {self.env.domain!r}")
+        # The group std is undefined for one rollout, so every advantage would be 0.
+        check("grpo" not in self.run.stages or r.n_per_task >= 2, "rollout.n_per_task",
+              f"must be >= 2 for GRPO's group advantages, got {r.n_per_task}")
+        batch, mini = r.n_per_task * r.tasks_per_step, self.grpo.minibatch_size
+        check(mini is None or batch % mini == 0, "grpo.minibatch_size",
+              f"({mini}) must divide the rollout batch n_per_task*tasks_per_step = {batch}")
+        check(mb is None or (mini or batch) % mb == 0, "grpo.microbatch_size",
+              f"({mb}) must divide the rollout batch n_per_task*tasks_per_step = {batch}" if mini is None else
+              f"({mb}) must divide grpo.minibatch_size ({mini})")
+        check(arch is None or r.max_context <= arch.max_position_embeddings, "rollout.max_context",
+              f"({r.max_context}) exceeds model.arch.max_position_embeddings ({arch and arch.max_position_embeddings})")
+
+
+# Paths a config file may give as "./x": resolved against that file (a checkpoint shipped
+# beside it), where plain relative paths mean the working directory.
+FILE_RELATIVE_KEYS = ("model.hf_dir",)
+
+
+def load_config(path: str | os.PathLike | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] = ()) -> TrainConfig:
+    """The validated `TrainConfig` from a YAML file (or the defaults) plus overrides."""
+    data = read_yaml(os.fspath(path), file_relative=FILE_RELATIVE_KEYS) if path is not None else {}
+    extra = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides)
+    return from_dict(TrainConfig, deep_merge(data, extra))

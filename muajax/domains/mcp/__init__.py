@@ -1,0 +1,1 @@
+"""Any MCP server as a tool domain (stdio or streamable HTTP)."""

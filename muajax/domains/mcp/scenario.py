@@ -1,0 +1,256 @@
+"""MCP scenario files: the server to start, the tasks and how each is judged.
+
+The tools are whatever the server lists (plus muajax's general think / calculate /
+transfer_to_human_agents, unless the server has a tool of that name: then the server's
+runs, and a successful `transfer_to_human_agents` still ends the episode). The MCP SDK
+is async while `EnvSession.step()` is sync, so each `McpClient` runs its connection on
+a private event-loop thread and `step()` blocks on the call, bounded by a per-call
+timeout. By default every session starts its own server process (isolated state);
+`shared: true` makes all sessions of an environment use one process.
+
+Scenario file (JSON, or YAML by a .yaml/.yml extension)::
+
+    name: notes                          # the environment's name
+    policy: "You manage the user's notes..."   # or policy_file: path (relative to this file)
+    server:
+      command: "{python}"                # {python} = this interpreter
+      args: ["{scenario_dir}/server.py"] # {scenario_dir} = this file's directory
+      env: {API_TOKEN: "${API_TOKEN}"}   # ${NAME} is read from muajax's environment
+      cwd: "{scenario_dir}"              # optional
+      shared: false                      # one server for all sessions (state not isolated)
+      call_timeout: 30                   # seconds per tool call
+      startup_timeout: 60
+    tasks:
+      - id: groceries
+        split: train                     # or test
+        first_user_message: "Hi, can you save my grocery list?"
+        user_scenario: "You want a note titled 'groceries' with milk and eggs..."
+        gold_actions:                    # optional: a reference solution
+          - {name: add_note, arguments: {title: groceries, body: "milk, eggs"}}
+        evaluation:
+          expected_calls:                # each must have run without error in the session;
+            - {name: add_note, arguments: {title: groceries}}   # arguments match as a subset
+          state_checks:                  # read-tool calls run at evaluation time
+            - call: {name: get_note, arguments: {title: groceries}}
+              contains: [milk, eggs]     # case-insensitive substrings; also: not_contains,
+                                         # equals (exact, stripped), json (parsed equality),
+                                         # error (true: the call must fail; default false)
+          communicate_info: ["2 items"]  # said by the agent; checked only with communicate_info
+
+The reward is 1 iff every criterion holds (each expected call, each state check, and,
+with communicate_info on, each string); the partial score is the fraction that hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from muajax.domains.base import Observation, Task, ToolCall
+
+SPLITS = ("train", "test")
+_CHECK_KEYS = ("equals", "contains", "not_contains", "json", "error")
+_ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+class McpError(RuntimeError):
+    """An MCP server could not be started or a scenario is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class McpServerConfig:
+    command: str
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cwd: str | None = None
+    shared: bool = False
+    call_timeout: float = 30.0
+    startup_timeout: float = 60.0
+
+    def __post_init__(self):
+        if not self.command:
+            raise ValueError("server.command must be a non-empty string")
+        if self.call_timeout <= 0 or self.startup_timeout <= 0:
+            raise ValueError("server.call_timeout and server.startup_timeout must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class StateCheck:
+    call: ToolCall
+    expect: Mapping[str, Any]  # a subset of _CHECK_KEYS
+
+    def holds(self, obs: Observation) -> bool:
+        expect = self.expect
+        if obs.error != bool(expect.get("error", False)):
+            return False
+        text = obs.content.lower()
+        if any(s.lower() not in text for s in expect.get("contains", ())):
+            return False
+        if any(s.lower() in text for s in expect.get("not_contains", ())):
+            return False
+        if "equals" in expect and obs.content.strip() != expect["equals"].strip():
+            return False
+        if "json" in expect:
+            try:
+                return json.loads(obs.content) == expect["json"]
+            except json.JSONDecodeError:
+                return False
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class McpTaskSpec:
+    task: Task
+    expected_calls: tuple[ToolCall, ...]
+    state_checks: tuple[StateCheck, ...]
+    communicate_info: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class McpScenario:
+    name: str
+    policy: str
+    server: McpServerConfig
+    tasks: tuple[McpTaskSpec, ...]
+
+
+# --- scenario loading ------------------------------------------------------------------
+def _get(d: Mapping, key: str, kind: type | tuple, where: str, default: Any = ...) -> Any:
+    if key not in d or d[key] is None:
+        if default is ...:
+            raise McpError(f"{where}: missing {key!r}")
+        return default
+    value = d[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise McpError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _tool_call(d: Any, where: str) -> ToolCall:
+    if not isinstance(d, dict):
+        raise McpError(f"{where}: expected a mapping with 'name' and 'arguments'")
+    return ToolCall(_get(d, "name", str, where), dict(_get(d, "arguments", dict, where, {})))
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise McpError(f"{where}: expected a string or a list of strings")
+    return tuple(value)
+
+
+def _state_check(d: Any, where: str) -> StateCheck:
+    if not isinstance(d, dict):
+        raise McpError(f"{where}: expected a mapping")
+    unknown = sorted(set(d) - {"call", *_CHECK_KEYS})
+    if unknown:
+        raise McpError(f"{where}: unknown keys {unknown}; allowed: call, {', '.join(_CHECK_KEYS)}")
+    expect: dict[str, Any] = {}
+    for key in ("contains", "not_contains"):
+        if key in d:
+            expect[key] = _strings(d[key], f"{where}.{key}")
+    if "equals" in d:
+        expect["equals"] = _get(d, "equals", str, where)
+    if "json" in d:
+        expect["json"] = d["json"]
+    if "error" in d:
+        expect["error"] = _get(d, "error", bool, where)
+    return StateCheck(_tool_call(d.get("call"), f"{where}.call"), expect)
+
+
+def _expand(text: str, base: Path) -> str:
+    return text.replace("{python}", sys.executable).replace("{scenario_dir}", str(base))
+
+
+def _server_config(d: Any, base: Path) -> McpServerConfig:
+    where = "server"
+    if not isinstance(d, dict):
+        raise McpError(f"{where}: expected a mapping")
+    env = {}
+    for key, value in _get(d, "env", dict, where, {}).items():
+        if not isinstance(value, str):
+            raise McpError(f"{where}.env.{key}: expected a string")
+        ref = _ENV_REF.match(value)
+        if ref:
+            if ref.group(1) not in os.environ:
+                raise McpError(f"{where}.env.{key}: ${{{ref.group(1)}}} is not set in the environment")
+            value = os.environ[ref.group(1)]
+        env[str(key)] = value
+    args = _get(d, "args", list, where, [])
+    if not all(isinstance(a, str) for a in args):
+        raise McpError(f"{where}.args: expected a list of strings")
+    cwd = _get(d, "cwd", str, where, None)
+    try:
+        return McpServerConfig(
+            command=_expand(_get(d, "command", str, where), base),
+            args=tuple(_expand(a, base) for a in args),
+            env=env,
+            cwd=_expand(cwd, base) if cwd else None,
+            shared=_get(d, "shared", bool, where, False),
+            call_timeout=float(_get(d, "call_timeout", (int, float), where, 30.0)),
+            startup_timeout=float(_get(d, "startup_timeout", (int, float), where, 60.0)),
+        )
+    except ValueError as exc:
+        raise McpError(str(exc)) from exc
+
+
+def _task_spec(d: Any, index: int, env_name: str) -> McpTaskSpec:
+    where = f"tasks[{index}]"
+    if not isinstance(d, dict):
+        raise McpError(f"{where}: expected a mapping")
+    task_id = _get(d, "id", (str, int), where)
+    split = _get(d, "split", str, where, "train")
+    if split not in SPLITS:
+        raise McpError(f"{where}.split: {split!r} is not one of {SPLITS}")
+    ev = _get(d, "evaluation", dict, where)
+    unknown = sorted(set(ev) - {"expected_calls", "state_checks", "communicate_info"})
+    if unknown:
+        raise McpError(f"{where}.evaluation: unknown keys {unknown}")
+    expected = tuple(_tool_call(c, f"{where}.evaluation.expected_calls[{i}]")
+                     for i, c in enumerate(_get(ev, "expected_calls", list, f"{where}.evaluation", [])))
+    checks = tuple(_state_check(c, f"{where}.evaluation.state_checks[{i}]")
+                   for i, c in enumerate(_get(ev, "state_checks", list, f"{where}.evaluation", [])))
+    if not expected and not checks:
+        raise McpError(f"{where}.evaluation: needs at least one expected_calls or state_checks entry")
+    info = _strings(ev.get("communicate_info", []), f"{where}.evaluation.communicate_info")
+    gold = tuple(_tool_call(c, f"{where}.gold_actions[{i}]")
+                 for i, c in enumerate(_get(d, "gold_actions", list, where, [])))
+    task = Task(task_id=str(task_id), domain=env_name,
+                first_user_message=_get(d, "first_user_message", str, where),
+                user_scenario=_get(d, "user_scenario", str, where),
+                gold_actions=gold or expected, split=split,
+                metadata={"communicate_info": info})
+    return McpTaskSpec(task, expected, checks, info)
+
+
+def load_scenario(path: str | os.PathLike) -> McpScenario:
+    """Parse and validate a scenario file (format in the module docstring)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file name
+        raise McpError(f"{path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {exc}")
+    if not isinstance(data, dict):
+        raise McpError(f"{path}: the top level must be a mapping")
+    base = path.resolve().parent
+    name = _get(data, "name", str, "scenario")
+    if "policy_file" in data:
+        policy = (base / _get(data, "policy_file", str, "scenario")).read_text(encoding="utf-8")
+    else:
+        policy = _get(data, "policy", str, "scenario")
+    specs = tuple(_task_spec(t, i, name) for i, t in enumerate(_get(data, "tasks", list, "scenario")))
+    ids = [s.task.task_id for s in specs]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise McpError(f"{path}: duplicate task ids {dupes}")
+    return McpScenario(name, policy, _server_config(data.get("server"), base), specs)

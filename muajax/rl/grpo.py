@@ -1,0 +1,149 @@
+"""GRPO as MUA-RL ran it: its settings (the `grpo:` section of a run config) and the update.
+
+The update is one instance of `muajax.rl.step.TrainStep`: group advantages from the
+whole batch's rewards, the clipped policy loss with dual clip and KL to the reference
+(`muajax.rl.losses`), AdamW. Variants are value sets of the same settings: DAPO =
+clip_high 0.28, dynamic_sampling, kl_coef 0; GSPO = ratio_level sequence, clip_low 3e-4,
+clip_high 4e-4; Dr. GRPO = advantage_scale none, agg seq-mean-token-sum-norm.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+
+from muajax.config.fields import Checked, bounded, check
+from muajax.models.qwen3 import Qwen3Config
+from muajax.models.sharding import param_shardings
+from muajax.rl.advantages import group_advantages
+from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
+from muajax.rl.optim import Optimizer
+from muajax.rl.step import LossFn, TrainStep, sequence_logprobs, shift_left
+
+Schedule = Literal["constant", "warmup_cosine"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(Checked):
+    steps: int | None = bounded(None, ge=1)  # if set, caps the run; else `epochs` over the tasks
+    epochs: int = bounded(30, ge=1)  # the released script; the paper reports 25
+    learning_rate: float = bounded(1e-6, gt=0)
+    schedule: Schedule = "constant"
+    warmup_steps: int = bounded(0, ge=0)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1)
+    weight_decay: float = bounded(0.01, ge=0)
+    grad_clip: float | None = bounded(1.0, gt=0)
+    clip_low: float = bounded(0.2, gt=0, lt=1)  # 1 - clip_low must stay positive
+    clip_high: float = bounded(0.2, gt=0)
+    dual_clip: float | None = bounded(3.0, gt=1)  # bounds the loss at c*|A| when A < 0
+    kl_coef: float = bounded(0.001, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: float | None = bounded(10.0, gt=0)  # k3 is clamped to [-kl_clamp, kl_clamp]; null: unclamped
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    ratio_level: Literal["token", "sequence"] = "token"
+    advantage_scale: Literal["std", "none"] = "std"
+    advantage_eps: float = bounded(1e-6, gt=0)
+    dynamic_sampling: bool = False  # DAPO: groups whose rollouts all scored alike are masked out
+    # Rows per optimizer update: None = the whole rollout batch, one update per step (the
+    # paper's). With it, each step makes ppo_epochs passes over the batch in mini-batches
+    # of this size, as verl's ppo_mini_batch_size and ppo_epochs do.
+    minibatch_size: int | None = bounded(None, ge=1)
+    ppo_epochs: int = bounded(1, ge=1)
+    microbatch_size: int | None = bounded(None, ge=1)  # rows per gradient pass within one update
+    logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once
+
+    def validate(self) -> None:
+        check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
+              f"({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        check(self.minibatch_size is not None or self.ppo_epochs == 1, "ppo_epochs",
+              f"({self.ppo_epochs}) needs grpo.minibatch_size: several passes are several updates per step")
+        check(self.minibatch_size is None or self.microbatch_size is None
+              or self.minibatch_size % self.microbatch_size == 0, "microbatch_size",
+              f"({self.microbatch_size}) must divide minibatch_size ({self.minibatch_size})")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def loss_settings(self) -> dict:
+        """Keyword arguments of `muajax.rl.losses.policy_loss_terms`."""
+        return dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                    kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, kl_clamp=self.kl_clamp, agg=self.agg,
+                    ratio_level=self.ratio_level)
+
+    def updates_per_step(self, batch_size: int) -> int:
+        """Optimizer updates one GRPO step makes over a rollout batch of `batch_size` rows."""
+        return 1 if self.minibatch_size is None else self.ppo_epochs * max(1, batch_size // self.minibatch_size)
+
+
+def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shared_prefix: int) -> LossFn:
+    """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0."""
+
+    def loss_fn(params, ref_params, mb):
+        tokens = mb["tokens"]
+        targets = shift_left(tokens)
+        mask = shift_left(mb["loss_mask"]).astype(jnp.float32)
+        old = shift_left(mb["old_logprobs"].astype(jnp.float32))
+        logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
+                                      logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+        ref_logp = None
+        if grpo.uses_reference:
+            ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=temperature,
+                                            logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+            ref_logp = jax.lax.stop_gradient(ref_logp)
+        loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, mb["advantages"], mask,
+                                                  **grpo.loss_settings())
+        sums = dict(sums, entropy_sum=jax.lax.stop_gradient(jnp.where(mask > 0, ent, 0.0).sum()))
+        return loss_sum, denom, sums
+
+    return loss_fn
+
+
+def grpo_prepare_fn(grpo: GRPOConfig, num_groups: int | None) -> Callable[[dict], dict]:
+    """The batch's advantages: given, or from its rewards and group ids (over the whole
+    batch, before any microbatch split, so a group may straddle microbatches)."""
+
+    def prepare(batch):
+        for key in ("tokens", "loss_mask", "old_logprobs"):
+            if key not in batch:
+                raise KeyError(f"GRPO batch needs {key!r}; got keys {sorted(batch)}")
+        batch = dict(batch)
+        if "advantages" not in batch:
+            if "rewards" not in batch or "group_ids" not in batch:
+                raise KeyError("GRPO batch needs 'advantages' or both 'rewards' and 'group_ids'")
+            groups = num_groups or batch["rewards"].shape[0]
+            batch["advantages"] = group_advantages(batch.pop("rewards"), batch.pop("group_ids"), groups,
+                                                   scale=grpo.advantage_scale, eps=grpo.advantage_eps)
+        else:
+            batch.pop("rewards", None)
+            batch.pop("group_ids", None)
+        return batch
+
+    return prepare
+
+
+def grpo_finalize(denom, sums) -> dict:
+    metrics = finalize_policy_metrics(denom, sums)
+    metrics["entropy"] = sums["entropy_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
+    return metrics
+
+
+def make_grpo_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, grpo: GRPOConfig = GRPOConfig(),
+                   temperature: float = 1.0, num_groups: int | None = None, shared_prefix: int = 0,
+                   microbatches: int = 1, donate: bool = True) -> TrainStep:
+    """The GRPO update. Call as `step(state, batch, ref_params)`; without KL (kl_coef == 0)
+    as `step(state, batch)`: the reference model is then neither passed nor run.
+
+    `temperature` is the rollout's (logprobs are of the tempered distribution), `num_groups`
+    a static bound on group ids (None: the batch size), `shared_prefix` the tokens every row
+    starts with (the system prompt: computed once per batch)."""
+    shardings = param_shardings(cfg, mesh)
+    loss = grpo_loss_fn(cfg, grpo, temperature=temperature, shared_prefix=shared_prefix)
+    step = TrainStep(loss, optimizer, mesh, shardings, microbatches=microbatches,
+                     prepare_fn=grpo_prepare_fn(grpo, num_groups), finalize_fn=grpo_finalize,
+                     frozen_shardings=shardings if grpo.uses_reference else None,
+                     requires_frozen=grpo.uses_reference, donate=donate)
+    step.model_cfg, step.grpo = cfg, grpo
+    return step

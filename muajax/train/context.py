@@ -1,0 +1,96 @@
+"""What every stage of a run shares: its config, mesh, domain, model config and tokenizer,
+the rollout engine (built once), and where its files go.
+
+`build_context(cfg)` makes all of it from the config; tests and custom domains pass a
+`domain` or `tokenizer` of their own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from muajax.config.schema import TrainConfig
+from muajax.domains.base import Domain
+from muajax.domains.registry import make_domain
+from muajax.engine.engine import Engine
+from muajax.models.qwen3 import Qwen3Config
+from muajax.train import build
+from muajax.train.checkpoint import Checkpointer
+from muajax.train.metrics import MetricsWriter, ProgressBar
+from muajax.train.roles import make_rollout_engine
+
+
+@dataclasses.dataclass
+class RunContext:
+    cfg: TrainConfig
+    mesh: Mesh
+    domain: Domain
+    model_cfg: Qwen3Config
+    tok: Any
+    hf_dir: str | None  # the HF checkpoint the run starts from, if any
+    resume: bool = False
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # figures stages report
+    _engine: Engine | None = None
+
+    @property
+    def run_dir(self) -> str:
+        return self.cfg.run_dir
+
+    @property
+    def main(self) -> bool:
+        """True on the process that writes the run's files."""
+        return jax.process_index() == 0
+
+    @property
+    def pad_id(self) -> int:
+        return int(getattr(self.tok, "pad_token_id", None) or 0)
+
+    def eval_tasks(self) -> list:
+        tasks = self.domain.env.tasks(self.cfg.env.eval_split)
+        return tasks[: self.cfg.eval.max_tasks] if self.cfg.eval.max_tasks else tasks
+
+    def eval_trials(self) -> int:
+        return 1 if self.cfg.eval.temperature == 0 else self.cfg.eval.trials
+
+    def engine_slots(self) -> int:
+        """Enough slots for a GRPO step's rollouts and for the evaluation's."""
+        r = self.cfg.rollout
+        return max(r.num_slots or r.n_per_task * r.tasks_per_step, self.eval_trials() * len(self.eval_tasks()))
+
+    def engine(self, params) -> Engine:
+        """The rollout engine, built on first use; it reads `params` (assigned, not copied)."""
+        if self._engine is None:
+            slots = self.engine_slots()
+            self._engine = make_rollout_engine(None, self.model_cfg, self.mesh, self.tok, num_slots=slots,
+                                               max_len=self.cfg.rollout.max_context,
+                                               min_batch_bucket=min(8, slots))
+        self._engine.params = params
+        return self._engine
+
+    def checkpointer(self, stage: str) -> Checkpointer:
+        c = self.cfg.checkpoint
+        return Checkpointer(os.path.join(self.cfg.checkpoint_dir, stage), keep=c.keep, every_steps=c.every_steps)
+
+    def metrics_writer(self, subdir: str | None, start: int) -> MetricsWriter:
+        where = os.path.join(self.run_dir, subdir) if subdir else self.run_dir
+        return MetricsWriter(where, jsonl=self.cfg.metrics.jsonl, tensorboard=self.cfg.metrics.tensorboard,
+                             is_main_process=self.main,
+                             resume_step=start if self.resume else None)
+
+    def progress(self, total: int, *, start: int = 0, desc: str | None = None) -> ProgressBar:
+        kwargs = {"desc": desc} if desc else {}
+        return ProgressBar(total, initial=start, enabled=self.cfg.metrics.progress_bar, is_main_process=self.main,
+                           **kwargs)
+
+
+def build_context(cfg: TrainConfig, *, resume: bool = False, domain: Domain | None = None,
+                  tokenizer=None) -> RunContext:
+    """Everything a run's stages share, from its config."""
+    mesh = build.make_mesh(cfg)
+    domain = domain or make_domain(cfg.env, cfg.user)
+    model_cfg, tok, hf_dir = build.model_and_tokenizer(cfg, domain.env, cfg.run_dir, tokenizer)
+    return RunContext(cfg, mesh, domain, model_cfg, tok, hf_dir, resume=resume)

@@ -1,0 +1,296 @@
+"""Multi-process runs (TPU pods, multi-node GPUs): each process rolls out its share of a step's
+tasks, and the shares form one global batch for the sharded update.
+
+Where rollouts run, and why
+---------------------------
+The training mesh spans every process's devices, and a program on it is one SPMD program
+that every process must launch in the same order with the same shapes. The Engine decides
+on the host, chunk by chunk, which slots to extend or decode and at which bucket sizes,
+from the state of *its* conversations — and each process's conversations wait on their own
+simulated users and tools, with their own latencies. One engine on the global mesh would
+need every process to agree on every such decision (an all-gather of scheduler state
+before each chunk), and a slow user on one host would stall every host.
+
+So each process runs its own Engine on a mesh of its *local* devices (`ProcessLocalEngine`)
+over a replica of the params: when the trainer hands the engine new params, they are
+resharded on device from the training layout to "the local layout, on every process" (one
+all-gather across hosts per step, no host copy), and the processes then decode
+independently, meeting again only when the batch is assembled. The price: a params-sized
+transfer per step and a full copy of the params on each host (sharded over its devices),
+so the model must fit one host's memory next to the KV cache.
+
+The global batch
+----------------
+Process p rolls out tasks [p*k, (p+1)*k) of the step (k = tasks_per_step / processes) with
+their global task indices, so rollout seeds, group ids and hence the trajectories are the
+ones a one-process run would produce. Each process collates its rows to the length all
+processes agree on, offsets its group ids, pads (with rows in no group: advantage 0), and
+`jax.make_array_from_process_local_data` joins the per-process blocks into global
+jax.Arrays with the step's batch sharding. Group advantages are then computed inside the
+step over the global batch.
+
+Everything here is a no-op (or a plain call) with one process, so single-process runs
+take exactly the code path they always took. Every function that talks to other processes
+must be called by all processes in the same order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from muajax.models.sharding import param_shardings
+from muajax import parallel
+from muajax.engine.engine import Engine
+from muajax.agent.trajectory import Trajectory, collate
+from muajax.train.batching import pad_rows
+
+T = TypeVar("T")
+
+
+def maybe_initialize_distributed() -> None:
+    """Join a multi-process run when the launcher says so (see tpu/README.md, gpu/README.md):
+
+    - MUAJAX_COORDINATOR=host:port, MUAJAX_NUM_PROCESSES, MUAJAX_PROCESS_ID: any cluster;
+      MUAJAX_LOCAL_DEVICE_IDS=0,1,... restricts a process to those accelerators (one
+      process per GPU);
+    - MUAJAX_DISTRIBUTED=auto: jax detects the cluster itself (Cloud TPU VM slices through
+      the metadata server, SLURM, Open MPI); GKE's TPU variables do the same.
+    On TPU pods this is optional for the computation but orbax's multi-host checkpointing
+    needs the coordination service it starts.
+    """
+    if os.environ.get("MUAJAX_COORDINATOR"):
+        missing = [v for v in ("MUAJAX_NUM_PROCESSES", "MUAJAX_PROCESS_ID") if not os.environ.get(v)]
+        if missing:
+            raise SystemExit(f"MUAJAX_COORDINATOR is set but {' and '.join(missing)} is not")
+        ids = os.environ.get("MUAJAX_LOCAL_DEVICE_IDS")
+        jax.distributed.initialize(
+            coordinator_address=os.environ["MUAJAX_COORDINATOR"],
+            num_processes=int(os.environ["MUAJAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["MUAJAX_PROCESS_ID"]),
+            local_device_ids=[int(i) for i in ids.split(",")] if ids else None,
+            # explicit settings win: under SLURM, detection would otherwise narrow each
+            # process to the one GPU numbered by its SLURM_LOCALID
+            cluster_detection_method="deactivate",
+        )
+    elif (os.environ.get("MUAJAX_DISTRIBUTED") == "auto" or os.environ.get("TPU_WORKER_HOSTNAMES")
+          or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS")):
+        jax.distributed.initialize()
+
+
+def multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+# ---------------------------------------------------------------------- who rolls out what
+
+
+def task_share(tasks: Sequence[T], process_index: int | None = None,
+               process_count: int | None = None) -> tuple[int, list[T]]:
+    """(global index of this process's first task, its tasks): a contiguous block, the same
+    size on every process, in process order."""
+    count = jax.process_count() if process_count is None else process_count
+    index = jax.process_index() if process_index is None else process_index
+    if len(tasks) % count:
+        raise ValueError(f"rollout.tasks_per_step={len(tasks)} must be divisible by the number of processes "
+                         f"({count}): every process rolls out an equal share of each step")
+    k = len(tasks) // count
+    return index * k, list(tasks[index * k:(index + 1) * k])
+
+
+# ---------------------------------------------------------------------- talking to other processes
+
+
+def allgather_ints(value: int) -> list[int]:
+    if not multiprocess():
+        return [int(value)]
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.asarray([value], np.int32))).ravel()]
+
+
+def _to_bytes(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj`, in process order (pickled: only for our own processes' data)."""
+    if not multiprocess():
+        return [obj]
+    data = _to_bytes(obj)
+    sizes = allgather_ints(data.size)
+    padded = np.zeros(max(sizes), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
+
+
+def from_main_process(fn: Callable[[], T]) -> T:
+    """`fn()` run on process 0 only, its result sent to every process: files that only the
+    first host writes or has (the SFT data) are read once. If it raises there, every
+    process raises."""
+    if not multiprocess():
+        return fn()
+    main = jax.process_index() == 0
+    outcome: tuple[str, Any] = ("ok", None)
+    error: BaseException | None = None
+    if main:
+        try:
+            outcome = ("ok", fn())
+        except BaseException as e:  # noqa: BLE001 - the others must not wait forever for a result
+            error, outcome = e, ("error", f"{type(e).__name__}: {e}")
+    data = _to_bytes(outcome) if main else np.zeros(0, np.uint8)
+    size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([data.size], np.int32)))[0])
+    buffer = np.zeros(size, np.uint8)
+    buffer[: data.size] = data
+    received = pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+    if error is not None:
+        raise error
+    kind, value = received
+    if kind == "error":
+        raise RuntimeError(f"process 0 failed: {value}")
+    return value
+
+
+# ---------------------------------------------------------------------- the global batch
+
+
+def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, multiple: int, first_group: int) -> dict:
+    """`collate` of this process's trajectories, at the length every process agrees on, with
+    group ids counted from `first_group` (its first task's global index)."""
+    if not multiprocess():
+        return collate(trajectories, pad_id=pad_id, multiple=multiple)
+    longest = max(len(t.tokens) for t in trajectories)
+    length = max(allgather_ints(max(1, -(-longest // multiple) * multiple)))
+    batch = collate(trajectories, pad_id=pad_id, length=length)
+    batch["group_ids"] = batch["group_ids"] + np.int32(first_group)
+    return batch
+
+
+def _rows_by_process(sharding: NamedSharding, shape: tuple[int, ...]) -> dict[int, frozenset[int]]:
+    rows: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        rows.setdefault(device.process_index, set()).update(range(*index[0].indices(shape[0])))
+    return {p: frozenset(r) for p, r in rows.items()}
+
+
+def _blocks_are_disjoint(sharding: NamedSharding, shape: tuple[int, ...], per_process: int) -> bool:
+    """True when each process's devices hold exactly `per_process` rows that no other process
+    holds: then each process supplies just its own rows. Computed from the sharding alone,
+    so every process reaches the same answer."""
+    rows = _rows_by_process(sharding, shape)
+    if len(rows) != jax.process_count() or any(len(r) != per_process for r in rows.values()):
+        return False
+    return len(frozenset().union(*rows.values())) == shape[0]
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh, divisor: int, *, pad_id: int) -> dict[str, jax.Array]:
+    """This process's rows → global jax.Arrays with the train step's batch sharding.
+
+    Every process pads its block to the same size so that the global batch is a multiple of
+    `divisor` (data*fsdp*microbatches). Normally each process's devices hold exactly its
+    own block; on a mesh where the batch axes do not split across processes (e.g. only
+    tensor parallelism between hosts) every process needs every row, and the blocks are
+    all-gathered first.
+    """
+    sizes = {x.shape[0] for x in local.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every batch array needs the same number of rows, got {sorted(sizes)}")
+    (rows,) = sizes
+    count = jax.process_count()
+    everyone = allgather_ints(rows)
+    if len(set(everyone)) != 1:
+        raise RuntimeError(f"processes hold different numbers of rows {everyone}: each must roll out an equal "
+                           "share of the step")
+    step = divisor // math.gcd(divisor, count)
+    per = -(-rows // step) * step
+    local = pad_rows(local, per - rows, pad_id)
+    out = {}
+    for key, x in local.items():
+        sharding = parallel.batch_sharding(mesh, x.ndim)
+        shape = (per * count,) + x.shape[1:]
+        if _blocks_are_disjoint(sharding, shape, per):
+            out[key] = jax.make_array_from_process_local_data(sharding, x, shape)
+        else:
+            full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            out[key] = jax.make_array_from_callback(shape, sharding, lambda index, full=full: full[index])
+    return out
+
+
+def same_on_every_process(batch: dict[str, np.ndarray], mesh: Mesh):
+    """A batch every process built identically (SFT) → global jax.Arrays with the batch
+    sharding; each process places only its own devices' rows. Unchanged with one process."""
+    if not multiprocess():
+        return batch
+    return {key: jax.make_array_from_callback(x.shape, parallel.batch_sharding(mesh, x.ndim),
+                                              lambda index, x=x: x[index])
+            for key, x in batch.items()}
+
+
+def gather_for_metrics(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """Every process's trajectories, so the logged rollout metrics are those of the whole
+    step. The token-level lists are cut to what `rollout_metrics` reads (their length and
+    the number of sampled tokens) and the transcripts dropped, to keep the exchange small."""
+    if not multiprocess():
+        return list(trajectories)
+    light = [dataclasses.replace(t, tokens=range(len(t.tokens)), loss_mask=[1] * t.num_sampled, logprobs=[],
+                                 messages=[], assistant_texts=[], sampled_spans=[]) for t in trajectories]
+    return [t for part in allgather_objects(light) for t in part]
+
+
+# ---------------------------------------------------------------------- rollouts on local devices
+
+
+def process_devices(process_index: int) -> list:
+    """One process's devices in a fixed order that every process can compute."""
+    return sorted((d for d in jax.devices() if d.process_index == process_index), key=lambda d: d.id)
+
+
+def local_mesh(global_mesh: Mesh) -> Mesh:
+    """A (data, fsdp, tensor) mesh over this process's devices: the global tensor axis if it
+    fits on one host (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
+    devices = process_devices(jax.process_index())
+    tensor = math.gcd(global_mesh.shape["tensor"], len(devices))
+    grid = np.array(devices, dtype=object).reshape(1, len(devices) // tensor, tensor)
+    return Mesh(grid, parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+class ProcessLocalEngine(Engine):
+    """An Engine on this process's devices that is handed params in the training layout.
+
+    Setting `params` reshards them (a collective: every process must set them at the same
+    point of the run) to the local layout on every process at once, then keeps this
+    process's copy. Setting the same tree again does nothing.
+    """
+
+    def __init__(self, params, cfg, *, mesh: Mesh, **kwargs):
+        local = local_mesh(mesh)
+        grid = np.stack([np.array(process_devices(p), dtype=object).reshape(local.devices.shape)
+                         for p in range(jax.process_count())])
+        stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+        self.local_shardings = param_shardings(cfg, local)
+        # the local layout with the "processes" axis unnamed in every spec: one replica per process
+        self._replica_shardings = jax.tree.map(lambda s: NamedSharding(stacked, s.spec), self.local_shardings)
+        self._source = None
+        self._params = None
+        super().__init__(params, cfg, mesh=local, **kwargs)
+
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, params) -> None:
+        if params is None or params is self._source:
+            return
+        replicas = jax.device_put(params, self._replica_shardings)
+        self._params = jax.tree.map(
+            lambda x, s: jax.make_array_from_single_device_arrays(x.shape, s, [sh.data for sh in x.addressable_shards]),
+            replicas, self.local_shardings)
+        self._source = params

@@ -1,0 +1,169 @@
+"""The GRPO stage: each step rolls out the next tasks of a seeded task stream with the
+simulated user in the loop, collates the trajectories and runs the sharded update.
+
+One RL step: the next `tasks_per_step` tasks of the (per-epoch shuffled) task stream ->
+`n_per_task` rollouts each through the engine (which reads the live params) ->
+trajectories collated to a fixed-shape batch -> the GRPO update (advantages, clipped loss,
+KL to the stage's starting policy, AdamW; several mini-batch updates with
+`grpo.minibatch_size`) -> metrics and checkpoint. Everything a resumed run needs (params,
+optimizer state, step, the task-stream position) is in the checkpoint, and every random
+choice is a function of (seed, step), so a run killed with -9 and resumed goes on exactly
+as if uninterrupted.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from muajax.agent.chat import system_prompt_ids
+from muajax.agent.rollout import run_rollouts_sync
+from muajax.agent.trajectory import rollout_metrics
+from muajax.config.fields import config_to_dict
+from muajax.rl.advantages import group_advantages
+from muajax.rl.grpo import make_grpo_step
+from muajax.rl.optim import optimizer_from_config
+from muajax.train import distributed
+from muajax.train.batching import (ROLLOUT_LENGTH_MULTIPLE, batch_divisor, common_prefix, mask_uniform_groups,
+                                   minibatches, pad_to_multiple)
+from muajax.train.context import RunContext
+from muajax.train.loop import CheckpointHook, MetricsHook, ProgressHook, run_steps
+from muajax.train.metrics import flatten_metrics
+
+
+class TaskStream:
+    """Tasks in a seeded order, reshuffled every epoch; `position` is all the state there is."""
+
+    def __init__(self, tasks, seed: int, position: int = 0):
+        if not tasks:
+            raise ValueError("the training split has no tasks")
+        self.tasks, self.seed, self.position = list(tasks), seed, position
+
+    def take(self, count: int):
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.tasks))
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks))
+            out.append(self.tasks[int(order[index])])
+            self.position += 1
+        return out
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The rollout seed of GRPO step `step`."""
+    return int(np.random.SeedSequence([seed, 104729, step]).generate_state(1, np.uint32)[0] >> 1)
+
+
+def shared_system_prefix(ctx: RunContext, tasks) -> int:
+    """Tokens every conversation starts with (the system prompt, if one domain): the GRPO
+    step computes them once per batch instead of once per row."""
+    env, prompts = ctx.domain.env, {}
+    for task in tasks:
+        if task.domain not in prompts:
+            session = env.reset(task)
+            try:
+                prompts[task.domain] = system_prompt_ids(ctx.tok, env.policy_for(task), session.tools())
+            finally:
+                session.close()
+    rows = list(prompts.values())
+    return len(rows[0]) if len(rows) == 1 else common_prefix(rows)
+
+
+def with_advantages(batch: dict, grpo) -> dict:
+    """The batch with each row's group advantage in place of its reward and group id, for
+    mini-batch updates: a group's statistics come from the whole group, never from the part
+    of it one mini-batch holds. (Each process holds whole groups, so its rows suffice.)"""
+    out = {k: v for k, v in batch.items() if k not in ("rewards", "group_ids")}
+    groups = int(max(batch["group_ids"].max(), 0)) + 1
+    out["advantages"] = np.asarray(group_advantages(batch["rewards"], batch["group_ids"], groups,
+                                                    scale=grpo.advantage_scale, eps=grpo.advantage_eps))
+    return out
+
+
+def _place(ctx: RunContext, batch: dict, divisor: int) -> dict:
+    """Host rows -> the step's batch: padded (one process) or joined into global arrays."""
+    if distributed.multiprocess():  # the processes' blocks become one global batch
+        return distributed.global_batch(batch, ctx.mesh, divisor, pad_id=ctx.pad_id)
+    return pad_to_multiple(batch, divisor, ctx.pad_id)
+
+
+def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int):
+    """The step's optimizer update(s); returns the state and the mean of their metrics, with
+    `updates`, their number."""
+    g = ctx.cfg.grpo
+    if g.minibatch_size is None:  # the paper's: one update on the whole batch
+        placed = _place(ctx, batch, divisor)
+        state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
+        return state, {**{k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}, "updates": 1.0}
+    local_size = g.minibatch_size // jax.process_count()
+    records = []
+    for _ in range(g.ppo_epochs):
+        for part in minibatches(with_advantages(batch, g), local_size):
+            placed = _place(ctx, part, divisor)
+            state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
+            records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
+    return state, {**{k: float(np.mean([r[k] for r in records])) for k in records[0]}, "updates": float(len(records))}
+
+
+def run_grpo(ctx: RunContext, params):
+    """GRPO from `params` (also the KL reference); returns the trained params."""
+    cfg, r, g = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo
+    tasks = ctx.domain.env.tasks(cfg.env.train_split)
+    steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
+    batch_size = r.n_per_task * r.tasks_per_step
+    micro = (g.minibatch_size or batch_size) // g.microbatch_size if g.microbatch_size else 1
+    prefix = shared_system_prefix(ctx, tasks)
+    optimizer = optimizer_from_config(g, total_steps=steps * g.updates_per_step(batch_size))
+    step_fn = make_grpo_step(ctx.model_cfg, optimizer, ctx.mesh, grpo=g, temperature=max(r.temperature, 1e-6),
+                             num_groups=r.tasks_per_step, shared_prefix=prefix, microbatches=micro)
+    reference = jax.device_put(params, step_fn.param_shardings) if g.uses_reference else None
+    state = step_fn.init_state(params)
+    stream = TaskStream(tasks, cfg.run.seed)
+    ckpt = ctx.checkpointer("grpo")
+    start = 0
+    if ctx.resume:
+        restored = ckpt.restore_latest(state)
+        if restored is not None:
+            start, state = restored.step, restored.state
+            stream.position = int(restored.data_position or 0)
+            print(f"[grpo] resumed at step {start} (task stream position {stream.position})", flush=True)
+    divisor = batch_divisor(ctx.mesh, micro)
+
+    def step(state, index):
+        t0 = time.time()
+        engine = ctx.engine(state.params)
+        device_before = engine.stats["device_s"]
+        # multi-host: this process rolls out its contiguous share of the step's tasks (one
+        # process: all of them) under their global indices, so seeds and group ids are the step's
+        first, chosen = distributed.task_share(stream.take(r.tasks_per_step))
+        trajectories = run_rollouts_sync(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
+                                         seed=step_seed(cfg.run.seed, index), first_task_index=first)
+        t_rollout = time.time() - t0
+        batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, multiple=ROLLOUT_LENGTH_MULTIPLE,
+                                          first_group=first)
+        if common_prefix(batch["tokens"]) < prefix:
+            raise RuntimeError(f"rollouts no longer share the {prefix}-token system prompt")
+        if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
+            batch = mask_uniform_groups(batch)
+        t1 = time.time()
+        state, metrics = _update(ctx, step_fn, state, batch, reference, divisor)
+        t_update = time.time() - t1
+        trajectories = distributed.gather_for_metrics(trajectories)  # multi-host: metrics of the whole step
+        sampled = int(sum(t.num_sampled for t in trajectories))
+        record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
+                  "time/rollout_s": t_rollout, "time/update_s": t_update,
+                  "time/engine_busy_share": (engine.stats["device_s"] - device_before) / max(t_rollout, 1e-9),
+                  "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
+                  "data/position": stream.position}
+        return state, record
+
+    hooks = [MetricsHook(ctx.metrics_writer(None, start)),
+             ProgressHook(ctx.progress(steps, start=start), steps,
+                          show=lambda rec: {"reward": rec.get("reward", 0.0), "kl": rec.get("kl", 0.0),
+                                            "tokens_per_s": rec["throughput/sampled_tokens_per_s"]},
+                          line=lambda i, rec: f"[grpo] step {i}/{steps}: reward {rec.get('reward', 0.0):.3f}, "
+                                              f"kl {rec.get('kl', 0.0):.4f}, rollout {rec['time/rollout_s']:.1f}s, "
+                                              f"update {rec['time/update_s']:.1f}s"),
+             CheckpointHook(ckpt, steps, config=config_to_dict(cfg), extra=lambda i: {"data_position": stream.position})]
+    return run_steps(state, start, steps, step, hooks).params

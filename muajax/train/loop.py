@@ -1,0 +1,124 @@
+"""The one step loop that SFT, the warm-ups and GRPO share, with everything around a step
+(metrics, progress, checkpoints) as hooks.
+
+`run_steps(state, start, total, step_fn, hooks)` calls `step_fn(state, index)` for each
+index in [start, total); the step returns the new state and a flat record of floats. Each
+hook sees every finished step; `close` runs in a `finally`, so a step that raises still
+flushes the metrics, closes the progress bar and waits for checkpoints in flight, and the
+error propagates unchanged. A checkpoint is only ever written for a finished step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from muajax.train.checkpoint import Checkpointer
+from muajax.train.metrics import MetricsWriter, ProgressBar
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[Any, int], tuple[Any, dict[str, float]]]
+
+
+class Hook:
+    """Something done around every step. `step` counts finished steps (1-based)."""
+
+    def after_step(self, step: int, state: Any, record: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsHook(Hook):
+    """Every step's record, to metrics.jsonl and TensorBoard."""
+
+    def __init__(self, writer: MetricsWriter):
+        self.writer = writer
+
+    def after_step(self, step, state, record):
+        self.writer.write(step, record)
+
+    def close(self):
+        self.writer.close()
+
+
+class ProgressHook(Hook):
+    """The progress bar with some of the record, and a log line every `every` steps (a
+    line per step when `every` is 1) for runs with no terminal."""
+
+    def __init__(self, bar: ProgressBar, total: int, *, show: Callable[[dict], dict],
+                 line: Callable[[int, dict], str], every: int = 1):
+        self.bar, self.total, self.show, self.line, self.every = bar, total, show, line, every
+
+    def after_step(self, step, state, record):
+        self.bar.update(step, **self.show(record))
+        self.bar.log(step, self.line(step, record), every=self.every)
+
+    def close(self):
+        self.bar.close()
+
+
+class CheckpointHook(Hook):
+    """Saves on the checkpointer's schedule and at the last step; `extra(step)` adds what a
+    resumed run needs beside the state (the data position, a done flag)."""
+
+    def __init__(self, checkpointer: Checkpointer, total: int, *, config: dict,
+                 extra: Callable[[int], dict] = lambda step: {}):
+        self.ckpt, self.total, self.config, self.extra = checkpointer, total, config, extra
+
+    def after_step(self, step, state, record):
+        last = step == self.total
+        if self.ckpt.should_save(step) or last:
+            self.ckpt.save(step, state, config=self.config, force=last, **self.extra(step))
+
+    def close(self):
+        try:
+            self.ckpt.wait()
+        finally:
+            self.ckpt.close()
+
+
+class CallbackHook(Hook):
+    """`fn(step, state, record)` after every step (snapshots, custom logging)."""
+
+    def __init__(self, fn: Callable[[int, Any, dict], None]):
+        self.fn = fn
+
+    def after_step(self, step, state, record):
+        self.fn(step, state, record)
+
+
+def run_steps(state: Any, start: int, total: int, step_fn: StepFn, hooks: Sequence[Hook] = ()) -> Any:
+    """Steps [start, total) from `state`; returns the final state. The record of each step
+    gains `time/step_s`, the wall time of `step_fn` alone (the hooks' work is not in it)."""
+    finished = False
+    try:
+        for index in range(start, total):
+            t0 = time.perf_counter()
+            state, record = step_fn(state, index)
+            record = {**record, "time/step_s": time.perf_counter() - t0}
+            for hook in hooks:
+                hook.after_step(index + 1, state, record)
+        finished = True
+        return state
+    finally:
+        _close_all(list(hooks), raise_errors=finished)
+
+
+def _close_all(hooks: list[Hook], *, raise_errors: bool) -> None:
+    """Close every hook, last first, even if one of them raises. With `raise_errors` the
+    first such error is raised once all are closed; without (an error is already on its
+    way out of the loop) they are dropped, so they cannot hide it."""
+    error = None
+    for hook in reversed(hooks):
+        try:
+            hook.close()
+        except BaseException as e:  # noqa: BLE001 - the remaining hooks must still close
+            if not raise_errors:
+                log.exception("closing %s failed while a step error propagates", type(hook).__name__)
+            error = error or e
+    if error is not None and raise_errors:
+        raise error

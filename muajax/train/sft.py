@@ -1,0 +1,109 @@
+"""The cold-start SFT stage: the data (a JSONL file, or the built-in expert's conversations),
+then epochs of the SFT step over it, checkpointed and resumable.
+
+A fresh stage first runs the warm-ups the config asks for (`muajax.train.warmup`); a
+resumed one restores its state instead (the warm-ups are already in it).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from muajax.agent.chat import render_messages_ids
+from muajax.config.fields import config_to_dict
+from muajax.domains.base import WRITES_CONFIRMED
+from muajax.domains.builtin.expert import expert_records
+from muajax.rl.optim import optimizer_from_config
+from muajax.rl.sft import make_sft_step
+from muajax.train import distributed
+from muajax.train.batching import (LENGTH_MULTIPLE, batch_divisor, common_prefix, pad_to_multiple, padded_length,
+                                   sft_batch)
+from muajax.train.context import RunContext
+from muajax.train.loop import CheckpointHook, MetricsHook, ProgressHook, run_steps
+from muajax.train.warmup import copy_warmup, domain_warmup
+
+Example = tuple[list[int], list[int]]  # (token ids, assistant mask)
+
+
+def write_expert_data(ctx: RunContext, path: str) -> None:
+    """The built-in domain's cold-start data: the scripted expert's reward-1 conversations
+    on the train split, careless (writing before the user confirms) on a share of tasks."""
+    cfg = ctx.cfg
+    records = expert_records(ctx.domain.env, ctx.domain.env.tasks(cfg.env.train_split),
+                             careless=cfg.sft.expert_careless, seed=cfg.run.seed)
+    kept = [r for r in records if r["reward"] == 1.0]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+    os.replace(path + ".tmp", path)
+    unconfirmed = sum(1 for r in kept if r[WRITES_CONFIRMED] and not all(r[WRITES_CONFIRMED]))
+    print(f"[sft] expert data: {len(kept)} conversations with reward 1, {unconfirmed} of them write "
+          "before the user confirms", flush=True)
+
+
+def read_examples(path: str, tokenizer, max_len: int) -> list[Example]:
+    """The SFT records of a JSONL file, rendered with the rollout's own token deltas and cut
+    to `max_len`; a bad line stops the run naming the file and line."""
+    examples = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                ids, mask = render_messages_ids(tokenizer, record.get("system"), record.get("tools"),
+                                                record["messages"])
+            except (json.JSONDecodeError, KeyError, ValueError) as exc:
+                raise SystemExit(f"{path}:{lineno}: bad SFT record: {exc}") from None
+            examples.append((ids[:max_len], mask[:max_len]))
+    return examples
+
+
+def sft_examples(ctx: RunContext) -> list[Example]:
+    path = ctx.cfg.sft.data
+    if path is None:  # the built-in domain's scripted expert writes the cold-start data
+        path = os.path.join(ctx.run_dir, "sft.jsonl")
+        if ctx.main and not os.path.isfile(path):
+            write_expert_data(ctx, path)
+    return read_examples(path, ctx.tok, ctx.cfg.sft.max_len)
+
+
+def run_sft(ctx: RunContext, params):
+    """SFT from `params`; returns the tuned params."""
+    s, seed = ctx.cfg.sft, ctx.cfg.run.seed
+    examples = distributed.from_main_process(lambda: sft_examples(ctx))  # multi-host: only host 0 has the file
+    per_epoch = max(1, len(examples) // s.batch_size)
+    total = s.steps or per_epoch * s.epochs
+    micro = s.batch_size // s.microbatch_size if s.microbatch_size else 1
+    prefix = common_prefix([ids for ids, _ in examples])
+    step_fn = make_sft_step(ctx.model_cfg, optimizer_from_config(s, total_steps=total), ctx.mesh, microbatches=micro,
+                            shared_prefix=prefix)
+    ckpt = ctx.checkpointer("sft")
+    length = padded_length(max(len(ids) for ids, _ in examples), LENGTH_MULTIPLE)  # one compilation
+    restored = ckpt.restore_latest(step_fn.init_state(params)) if ctx.resume else None
+    if restored is not None:
+        start, state = restored.step, restored.state
+        if restored.metadata.get("extra", {}).get("done"):
+            ckpt.close()
+            return state.params
+    else:  # a fresh SFT stage: the warm-ups (if any) come first
+        start, state = 0, step_fn.init_state(domain_warmup(ctx, copy_warmup(ctx, params)))
+    divisor = batch_divisor(ctx.mesh, micro)
+
+    def step(state, index):
+        epoch, within = divmod(index, per_epoch)
+        order = np.random.default_rng([seed, 7, epoch]).permutation(len(examples))
+        chosen = [examples[i] for i in order[within * s.batch_size:(within + 1) * s.batch_size]]
+        batch = sft_batch(chosen, ctx.pad_id, length, context_weight=s.context_weight, context_start=prefix)
+        batch = pad_to_multiple(batch, divisor, ctx.pad_id)
+        # multi-host: every process built this same batch; each places its own devices' rows
+        state, metrics = step_fn(state, distributed.same_on_every_process(batch, ctx.mesh))
+        return state, {k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}
+
+    hooks = [MetricsHook(ctx.metrics_writer("sft", start)),
+             ProgressHook(ctx.progress(total, start=start), total, show=lambda r: {"loss": r["loss"]},
+                          line=lambda i, r: f"[sft] step {i}/{total}, loss {r['loss']:.4f}",
+                          every=max(1, total // 10)),
+             CheckpointHook(ckpt, total, config=config_to_dict(ctx.cfg),
+                            extra=lambda i: {"extra": {"done": i == total}})]
+    return run_steps(state, start, total, step, hooks).params

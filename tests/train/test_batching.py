@@ -1,0 +1,69 @@
+"""Host-side batches: the SFT loss mask, the context weights, row padding and mini-batches."""
+import numpy as np
+import pytest
+
+
+from muajax.agent.chat import render_messages_ids, system_prompt_ids
+from muajax.domains.builtin import BuiltinEnvironment
+from muajax.domains.builtin.expert import expert_conversation
+from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID, load_tokenizer
+from muajax.train.batching import sft_batch
+
+
+def test_sft_loss_mask_covers_exactly_the_assistant_tokens():
+    tok = load_tokenizer()
+    env = BuiltinEnvironment()
+    task = env.tasks("train")[1]
+    messages, _ = expert_conversation(env, task, careless=0.0, seed=0)
+    tools = env.reset(task).tools()
+    ids, mask = render_messages_ids(tok, env.policy(), tools, messages)
+    batch = sft_batch([(ids, mask)], PAD_ID, 4096)
+    tokens, loss_mask = batch["tokens"][0], batch["loss_mask"][0]
+    assert loss_mask[len(ids):].sum() == 0 and (tokens[len(ids):] == PAD_ID).all()
+    # every masked span is one assistant message followed by its <|im_end|>, nothing else
+    spans, start = [], None
+    for i, m in enumerate(list(loss_mask[: len(ids)]) + [0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            spans.append((start, i))
+            start = None
+    assistants = [m for m in messages if m["role"] == "assistant"]
+    assert len(spans) == len(assistants)
+    for (a, b), message in zip(spans, assistants):
+        assert tokens[b - 1] == IM_END_ID
+        assert tokens[a - 1] != IM_START_ID  # preceded by the generation prompt's empty think block
+        text = tok.decode(tokens[a: b - 1])
+        if message.get("tool_calls"):
+            assert message["tool_calls"][0]["function"]["name"] in text and "<tool_call>" in text
+        else:
+            assert text == message["content"]
+    # with a context weight, every other token after the system prompt gets that weight
+    prefix = len(system_prompt_ids(tok, env.policy(), tools))
+    weighted = sft_batch([(ids, mask)], PAD_ID, 4096, context_weight=0.5, context_start=prefix)
+    assert (weighted["loss_mask"] == batch["loss_mask"]).all()
+    context = weighted["context_mask"][0]
+    assert (context[:prefix] == 0).all() and (context[len(ids):] == 0).all()
+    assert (context[: len(ids)][loss_mask[: len(ids)] == 1] == 0).all()
+    assert (context[prefix: len(ids)][loss_mask[prefix: len(ids)] == 0] == 0.5).all()
+
+
+# --------------------------------------------------------------------------- a task a tiny model can learn
+
+
+def test_padding_rows_carry_nothing_and_belong_to_no_group():
+    from muajax.rl.advantages import group_advantages
+    from muajax.train.batching import PAD_GROUP, minibatches, pad_to_multiple
+
+    batch = {"tokens": np.ones((3, 4), np.int32), "loss_mask": np.ones((3, 4), np.int32),
+             "rewards": np.array([1.0, 0.0, 1.0], np.float32), "group_ids": np.array([0, 0, 0], np.int32)}
+    padded = pad_to_multiple(batch, 4, pad_id=PAD_ID)
+    assert padded["tokens"].shape == (4, 4) and (padded["tokens"][3] == PAD_ID).all()
+    assert padded["loss_mask"][3].sum() == 0 and padded["group_ids"][3] == PAD_GROUP
+    adv = np.asarray(group_advantages(padded["rewards"], padded["group_ids"], 1))
+    assert adv[3] == 0 and np.allclose(adv[:3], np.asarray(group_advantages(batch["rewards"], batch["group_ids"], 1)))
+    assert pad_to_multiple(batch, 3, pad_id=PAD_ID) is batch
+    parts = minibatches(padded, 2)
+    assert [p["tokens"].shape[0] for p in parts] == [2, 2] and parts[1]["group_ids"][1] == PAD_GROUP
+    with pytest.raises(ValueError, match="do not divide"):
+        minibatches(padded, 3)

@@ -1,0 +1,72 @@
+"""The GRPO stage's mini-batch updates: `grpo.ppo_epochs` passes over the step's batch in
+mini-batches of `grpo.minibatch_size`, as verl does; the default is the paper's one
+update on the whole batch."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from muajax.config.schema import ConfigError, load_config
+from muajax.domains.base import Domain
+from muajax.models.tokenizer import load_tokenizer
+from muajax.models.vocab import DomainTokenizer, DomainVocab
+from muajax.train import build
+from muajax.train.context import build_context
+from muajax.train.grpo import run_grpo
+from tests.support.toy_domain import SayYesEnvironment, StopUser
+
+BASE = ["run.stages=[grpo]", "model.vocab=domain",
+        "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
+        " head_dim: 16, max_position_embeddings: 256}",
+        "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_new_tokens_per_turn=4",
+        "rollout.max_context=128", "rollout.max_turns=2", "grpo.steps=1", "grpo.learning_rate=1e-2",
+        "grpo.kl_coef=0", "metrics.progress_bar=false", "metrics.tensorboard=false", "checkpoint.every_steps=100"]
+
+
+def one_step(tmp_path, name, *overrides):
+    base = load_tokenizer()
+    words = base.encode("yes no maybe", add_special_tokens=False)
+    prompt = base.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                         "<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    tok = DomainTokenizer(base, DomainVocab(words + prompt))
+    cfg = load_config(None, [*BASE, f"run.out_dir={tmp_path}", f"run.name={name}", *overrides])
+    ctx = build_context(cfg, domain=Domain(SayYesEnvironment(), StopUser()), tokenizer=tok)
+    params = build.initial_params(ctx.model_cfg, None, ctx.mesh, 0)
+    trained = run_grpo(ctx, params)
+    record = json.loads(open(os.path.join(cfg.run_dir, "metrics.jsonl")).readline())
+    return params, trained, record
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def paper_step(tmp_path_factory):
+    return one_step(tmp_path_factory.mktemp("grpo"), "paper")
+
+
+def test_ppo_epochs_make_several_updates_per_step(tmp_path, paper_step):
+    start, paper, rec_paper = paper_step
+    _, verl, rec_verl = one_step(tmp_path, "verl", "grpo.minibatch_size=2", "grpo.ppo_epochs=2")
+    assert rec_paper["updates"] == 1 and rec_verl["updates"] == 4  # 2 epochs x (4 rows / 2)
+    moved_paper = sum(float(np.abs(a - b).sum()) for a, b in zip(leaves(paper), leaves(start)))
+    moved_verl = sum(float(np.abs(a - b).sum()) for a, b in zip(leaves(verl), leaves(start)))
+    assert moved_paper > 0 and moved_verl > 1.5 * moved_paper
+
+
+def test_one_mini_batch_of_the_whole_batch_is_the_paper_s_update(tmp_path, paper_step):
+    _, paper, _ = paper_step
+    _, whole, record = one_step(tmp_path, "whole", "grpo.minibatch_size=4")
+    assert record["updates"] == 1
+    for a, b in zip(leaves(paper), leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_ppo_epochs_need_a_mini_batch_size_that_divides_the_batch():
+    with pytest.raises(ConfigError, match="'grpo.ppo_epochs' .*needs grpo.minibatch_size"):
+        load_config(None, ["grpo.ppo_epochs=2"])
+    with pytest.raises(ConfigError, match="'grpo.minibatch_size' \\(3\\) must divide the rollout batch"):
+        load_config(None, ["grpo.minibatch_size=3", "rollout.n_per_task=2", "rollout.tasks_per_step=2"])

@@ -1,0 +1,88 @@
+"""The step loop: hooks see every finished step; close runs whatever happens; a checkpoint
+is only written for a finished step."""
+import pytest
+
+from muajax.train.loop import CallbackHook, CheckpointHook, Hook, run_steps
+
+
+class Recorder(Hook):
+    def __init__(self, log, name="h"):
+        self.log, self.name = log, name
+
+    def after_step(self, step, state, record):
+        self.log.append((self.name, step, state, sorted(record)))
+
+    def close(self):
+        self.log.append((self.name, "closed"))
+
+
+class FakeCheckpointer:
+    def __init__(self, every):
+        self.every, self.saved, self.closed = every, [], False
+
+    def should_save(self, step):
+        return step % self.every == 0
+
+    def save(self, step, state, *, config, force=False, **extra):
+        self.saved.append((step, state, force, extra))
+
+    def wait(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_steps_run_from_start_and_hooks_see_each_one_in_order():
+    log = []
+    final = run_steps(10, 2, 5, lambda state, i: (state + i, {"x": float(i)}), [Recorder(log, "a"), Recorder(log, "b")])
+    assert final == 10 + 2 + 3 + 4
+    steps = [(name, step) for name, step, *_ in log if step != "closed"]
+    assert steps == [("a", 3), ("b", 3), ("a", 4), ("b", 4), ("a", 5), ("b", 5)]
+    assert log[-2:] == [("b", "closed"), ("a", "closed")]  # last hook closes first
+    assert log[0][3] == ["time/step_s", "x"]  # the loop times each step
+
+
+def test_a_failing_step_still_closes_every_hook_and_saves_nothing_for_it():
+    log, ckpt = [], FakeCheckpointer(every=1)
+
+    def step(state, index):
+        if index == 2:
+            raise RuntimeError("boom")
+        return state + 1, {}
+
+    hooks = [Recorder(log), CheckpointHook(ckpt, 5, config={}, extra=lambda s: {"data_position": s})]
+    with pytest.raises(RuntimeError, match="boom"):
+        run_steps(0, 0, 5, step, hooks)
+    assert [s for s, *_ in ckpt.saved] == [1, 2] and ckpt.closed
+    assert log[-1] == ("h", "closed")
+    assert ckpt.saved[1] == (2, 2, False, {"data_position": 2})
+
+
+def test_the_last_step_is_always_checkpointed_and_forced():
+    ckpt = FakeCheckpointer(every=10)
+    run_steps(0, 0, 3, lambda s, i: (s, {}), [CheckpointHook(ckpt, 3, config={})])
+    assert [(step, force) for step, _, force, _ in ckpt.saved] == [(3, True)]
+
+
+def test_a_hook_that_fails_to_close_does_not_hide_the_step_error_nor_stop_the_others():
+    log = []
+
+    class BadClose(Hook):
+        def close(self):
+            raise OSError("disk full")
+
+    def step(state, index):
+        raise ValueError("the real error")
+
+    with pytest.raises(ValueError, match="the real error"):
+        run_steps(0, 0, 1, step, [Recorder(log), BadClose()])
+    assert log == [("h", "closed")]
+    with pytest.raises(OSError, match="disk full"):  # with no step error, a close error is raised
+        run_steps(0, 0, 1, lambda s, i: (s, {}), [Recorder(log), BadClose()])
+
+
+def test_callback_hook_sees_state_and_record():
+    seen = []
+    run_steps(1, 0, 2, lambda s, i: (s * 2, {"i": i}), [CallbackHook(lambda step, s, r: seen.append((step, s, r["i"])))])
+    assert seen == [(1, 2, 0), (2, 4, 1)]
