@@ -130,9 +130,12 @@ def _check_tool_call_arguments(m: dict[str, Any], i: int, max_depth: int) -> Non
                       f"messages[{i}].tool_calls[{j}].function.arguments", "nesting_too_deep")
 
 
-def _check_messages(messages: Any, max_depth: int) -> list[dict[str, Any]]:
+def _check_messages(messages: Any, limits: Limits) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of message objects", "messages")
+    if len(messages) > limits.context:  # each renders to a few tokens at least: no need to render them all
+        raise bad(f"{len(messages)} messages cannot fit in this server's context of {limits.context} tokens",
+                  "messages", "context_length_exceeded")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -150,7 +153,7 @@ def _check_messages(messages: Any, max_depth: int) -> list[dict[str, Any]]:
             raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
         if role == "assistant" and content is None and not m.get("tool_calls"):
             raise bad(f"messages[{i}] (assistant) needs 'content' or 'tool_calls'", f"messages[{i}]")
-        _check_tool_call_arguments(m, i, max_depth)
+        _check_tool_call_arguments(m, i, limits.max_json_depth)
         out.append(m)
     return out
 
@@ -208,7 +211,7 @@ def parse_request(body: Any, served_model: str, limits: Limits) -> ChatRequest:
     if model != served_model:
         raise ApiError(404, f"model {model!r:.100} does not exist; this server serves {served_model!r}",
                        param="model", code="model_not_found")
-    messages = _check_messages(body.get("messages"), limits.max_json_depth)
+    messages = _check_messages(body.get("messages"), limits)
     tools = _check_tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice == "none":

@@ -219,7 +219,10 @@ class Scheduler:
     def _isolate(self, live: Sequence[Job]) -> list[Generation]:
         """A step with `live` generating failed: step them again in ever smaller groups; a job
         whose step fails with it alone in its group fails. The groups that pass make real
-        progress (a decode chunk), so nothing is computed twice."""
+        progress (a decode chunk), so nothing is computed twice, and stay in the batch while
+        later groups are tried: this trusts that a step which raises leaves the slots it did
+        not fail on usable (the engine checks its inputs before running the device program;
+        an engine whose device state is lost fails every request, as it must)."""
         for job in live:
             self._set_aside(job)
         generations: list[Generation] = []

@@ -105,6 +105,7 @@ def fixed_cases() -> list[tuple[bytes, int, str | None]]:
         (raw(GOOD, messages=call_history("{not json")), 400, "messages"),
         (raw(GOOD, messages=call_history("[1, 2]")), 400, "messages"),
         (raw(GOOD, messages=[{"role": "user", "content": "word " * (CONTEXT + 100)}]), 400, "messages"),
+        (raw(GOOD, messages=[{"role": "user", "content": "hi"}] * (CONTEXT + 1)), 400, "messages"),
         (raw(GOOD, tools=[{"type": "function"}]), 400, "tools[0]"),
         (raw(GOOD, tools={"calculate": CALCULATE}), 400, "tools"),
     ]
