@@ -2,8 +2,10 @@
 
 Routes: POST /v1/chat/completions (JSON or, with "stream": true, server-sent events),
 GET /v1/models, GET /v1/models/{id}, GET /health. Every error is a JSON body
-{"error": {"message", "type", "param", "code"}} with a 4xx status for bad requests
-(and 401 / 404 / 503), so one malformed request never affects the others.
+{"error": {"message", "type", "param", "code"}}: 400 for a bad request, 413 for a body
+over the size limit, 401 / 404, and 503 with Retry-After when the wait queue is full.
+Everything a request asks for is checked (size, nesting, every sampling field, prompt
+length) before it reaches the engine, so one malformed request never affects the others.
 
 A request's prompt is rendered with muajax's own chat functions (system + tools, every
 message, then the generation prompt), exactly the token layout the policy was trained
@@ -32,12 +34,14 @@ from muajax.engine.engine import SamplingParams
 from muajax.serving.protocol import (
     ApiError,
     ChatRequest,
+    Limits,
     bad,
     build_output,
     chunk_body,
     clean_text,
     completion_body,
     new_id,
+    parse_body,
     parse_request,
     streamable_prefix,
     usage,
@@ -46,16 +50,21 @@ from muajax.serving.scheduler import Job, Overloaded, Scheduler
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 class ChatService:
     """Everything a request needs: the engine's scheduler, the tokenizer, the limits."""
 
-    def __init__(self, engine, tokenizer, model_name: str, *, default_max_tokens: int = 1024, max_queue: int = 256,
-                 api_key: str | None = None):
+    def __init__(self, engine, tokenizer, model_name: str, *, vocab_size: int, default_max_tokens: int = 1024,
+                 max_queue: int = 256, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 max_json_depth: int = 128, retry_after_s: int = 1):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.max_len = engine.max_len
+        self.limits = Limits(context=engine.max_len, vocab_size=vocab_size, max_json_depth=max_json_depth)
         self.default_max_tokens = default_max_tokens
+        self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
         self.scheduler = Scheduler(engine, max_queue=max_queue)
         self._api_key = api_key.encode() if api_key else None  # compared, never logged
         self.im_end = im_end_id(tokenizer)
@@ -76,6 +85,8 @@ class ChatService:
             ids, _ = render_messages_ids(self.tok, None, req.tools, req.messages)
         except (ValueError, TypeError) as e:
             raise bad(f"cannot render the messages: {e}", "messages") from None
+        except RecursionError:  # the nesting checks should make this unreachable
+            raise bad("the messages nest too deeply", "messages", "nesting_too_deep") from None
         return ids + generation_prompt_ids(self.tok)
 
     def text_of(self, tokens: list[int], finish_reason: str) -> str:
@@ -95,8 +106,11 @@ class ChatService:
                       "(prompt + completion)", "messages", "context_length_exceeded")
         room = self.max_len - len(prompt)
         max_new = min(req.max_tokens or self.default_max_tokens, room)
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                  max_new_tokens=max_new)
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                      max_new_tokens=max_new)
+        except ValueError as e:
+            raise bad(f"invalid sampling parameters: {e}") from None
         should_stop = None
         if req.stop:
             def should_stop(tokens, stops=req.stop):
@@ -105,9 +119,10 @@ class ChatService:
         try:
             self.scheduler.submit(job)
         except Overloaded as e:
-            raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded") from None
+            raise ApiError(503, f"server overloaded: {e}; retry later", code="overloaded",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None
         except RuntimeError as e:
-            raise ApiError(503, str(e), code="unavailable") from None
+            raise ApiError(503, str(e), code="unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
         return job, len(prompt)
 
     def final_output(self, req: ChatRequest, tokens: list[int], finish_reason: str):
@@ -117,12 +132,8 @@ class ChatService:
     # ------------------------------------------------------------------ routes
     async def chat(self, request: Request) -> Response:
         self.check_auth(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad(f"the request body is not valid JSON ({e})") from None
-        req = parse_request(body, self.model_name)
+        body = parse_body(await self.read_body(request), self.limits.max_json_depth)
+        req = parse_request(body, self.model_name, self.limits)
         job, prompt_tokens = self.make_job(req)
         request_id = new_id("chatcmpl")
         if req.stream:
@@ -134,6 +145,22 @@ class ChatService:
         _, tokens, finish_reason = event
         output = self.final_output(req, tokens, finish_reason)
         return JSONResponse(completion_body(request_id, self.model_name, output, prompt_tokens, len(tokens)))
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 past `max_body_bytes`: by its declared length before
+        reading any of it, else (chunked) as soon as the bytes read pass the limit."""
+        too_large = ApiError(413, f"the request body exceeds this server's limit of {self.max_body_bytes} bytes",
+                             code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _wait(self, job: Job, request: Request):
         try:
@@ -224,7 +251,7 @@ def _hold_stop_prefix(text: str, stops: tuple[str, ...]) -> str:
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def create_app(service: ChatService) -> Starlette:

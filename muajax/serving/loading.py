@@ -25,6 +25,8 @@ class ServeOptions:
     model_name: str | None = None  # default: the checkpoint directory's name
     api_key_env: str | None = None  # NAME of the env var holding the key clients must send
     warmup: bool = False  # compile every batch/width program before serving
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    max_json_depth: int = 128  # deeper JSON (tool-call arguments included) gets 400
 
 
 def build_service(opts: ServeOptions) -> tuple[Policy, ChatService]:
@@ -37,6 +39,7 @@ def build_service(opts: ServeOptions) -> tuple[Policy, ChatService]:
         print(f"warm-up: {runs} programs compiled in {time.perf_counter() - start:.1f}s", flush=True)
     name = opts.model_name or os.path.basename(os.path.normpath(opts.checkpoint))
     api_key = os.environ.get(opts.api_key_env) if opts.api_key_env else None
-    service = ChatService(engine, policy.tokenizer, name, default_max_tokens=opts.max_tokens,
-                          max_queue=opts.max_queue, api_key=api_key)
+    service = ChatService(engine, policy.tokenizer, name, vocab_size=policy.model_cfg.vocab_size,
+                          default_max_tokens=opts.max_tokens, max_queue=opts.max_queue, api_key=api_key,
+                          max_body_bytes=opts.max_body_bytes, max_json_depth=opts.max_json_depth)
     return policy, service

@@ -5,8 +5,17 @@ event loop keeps serving HTTP, it releases the slots of cancelled requests, open
 for queued requests (prompt in, sampling started), and runs one `engine.step()` (a
 decode chunk over every generating slot). Requests therefore join and leave the running
 batch at chunk boundaries; a request that arrives while all slots are busy waits in a
-FIFO queue. Request handlers never touch the engine: they enqueue a `Job` and read its
-event queue; the engine is only ever used from the driver, never concurrently.
+bounded FIFO queue (beyond it, `submit` raises `Overloaded`). Request handlers never
+touch the engine: they enqueue a `Job` and read its event queue; the engine is only
+ever used from the driver, never concurrently.
+
+One request's failure fails only that request. Opening its slot fails it alone. A step
+is shared, so when one fails the driver finds the culprit: it sets every generating job
+aside (releases its slot, keeping the tokens it sampled up to the last good step) and
+steps them again group by group, halving a group whose step fails, until a step fails
+with one job in it: that job fails, the others go on. A job set aside resumes from its
+prompt plus its sampled tokens, with its seed: the engine draws a position's sample from
+the seed and the position only, so it continues exactly as it would have.
 
 Events on `Job.events`: ("tokens", ids so far) for streaming or stop-string jobs after
 every tick; then ("done", ids, finish_reason) or ("error", message).
@@ -21,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from muajax.engine.engine import Engine, SamplingParams
+from muajax.engine.engine import Engine, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,10 @@ class Job:
     finished: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     error: str | None = None
+    # the ids sampled before the current slot was opened (set aside after a failed step)
+    carried: list[int] = dataclasses.field(default_factory=list)
+    # every id sampled so far, as of the last step that succeeded
+    sampled: list[int] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -52,12 +65,12 @@ class Scheduler:
         self.max_queue = max_queue
         self.pending: collections.deque[Job] = collections.deque()
         self.running: dict[int, Job] = {}
-        self._to_release: list[Job] = []
+        self._admitting = 0  # jobs the tick in flight is opening slots for
         self._wake = asyncio.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="muajax-serve-engine")
         self._task: asyncio.Task | None = None
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "errors": 0, "ticks": 0,
-                      "completion_tokens": 0, "prompt_tokens": 0, "peak_running": 0}
+                      "completion_tokens": 0, "prompt_tokens": 0, "peak_running": 0, "isolations": 0}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -82,11 +95,17 @@ class Scheduler:
         return self._task is not None and not self._task.done()
 
     # ------------------------------------------------------------------ requests
+    @property
+    def waiting(self) -> int:
+        """Queued jobs that the slots free at the next tick will not take."""
+        free = self.engine.num_slots - len(self.running) - self._admitting
+        return len(self.pending) - max(free, 0)
+
     def submit(self, job: Job) -> None:
         if not self.alive:
             raise RuntimeError("the engine driver is not running")
-        if len(self.pending) >= self.max_queue:
-            raise Overloaded(f"{len(self.pending)} requests are already waiting for a slot")
+        if self.waiting >= self.max_queue:
+            raise Overloaded(f"{max(self.waiting, 0)} requests are already waiting for a slot")
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(job.prompt)
         self.pending.append(job)
@@ -106,71 +125,124 @@ class Scheduler:
         while True:
             while self.pending and self.pending[0].cancelled:
                 self.pending.popleft()
-            release = self._to_release + [j for j in self.running.values() if j.cancelled]
-            self._to_release = []
-            if not self.pending and not self.running and not release:
+            release = [j for j in self.running.values() if j.cancelled]
+            if not self.pending and not self.running:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             admit: list[Job] = []
-            free = self.engine.free_slots + len({j.slot for j in release if j.slot is not None})
+            free = self.engine.free_slots + len(release)
             while self.pending and len(admit) < free:
                 job = self.pending.popleft()
                 if not job.cancelled:
                     admit.append(job)
-            progress_for = [j for j in self.running.values() if _watched(j) and not j.cancelled]
+            jobs = [j for j in self.running.values() if not j.cancelled] + admit
+            self._admitting = len(admit)
             try:
-                generations, progress = await loop.run_in_executor(self._pool, self._tick, release, admit,
-                                                                   progress_for)
-            except Exception as e:  # a device failure must not take the server down
-                log.exception("engine step failed")
-                self._recover(f"engine failure: {type(e).__name__}: {e}", admit)
+                generations = await loop.run_in_executor(self._pool, self._tick, release, jobs)
+            except Exception as e:  # not a failed step (those are isolated): the engine itself broke
+                log.exception("engine tick failed")
+                self._recover(f"engine failure: {type(e).__name__}: {e}", jobs + release)
                 continue
+            finally:
+                self._admitting = 0
             self.stats["ticks"] += 1
-            for job in release:
-                self.running.pop(job.slot, None)
-            for job in admit:
-                if job.error is not None:
-                    self._fail(job, job.error)
-                elif job.cancelled:  # cancelled while its slot was being opened
-                    self._to_release.append(job)
-                else:
-                    self.running[job.slot] = job
-            self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
-            for gen in generations:
-                job = self.running.pop(gen.slot)
-                self.engine.release(gen.slot)  # safe: no tick is running now
-                if not job.cancelled:
-                    self._finish(job, list(gen.tokens), gen.finish_reason)
-            for job, tokens in progress:
-                if job.finished or job.cancelled or job.slot not in self.running:
-                    continue
-                if job.should_stop is not None and job.should_stop(tokens):
-                    self._finish(job, tokens, "stop")
-                    job.cancelled = True  # frees the slot at the next tick; a normal end, not counted
-                    self._wake.set()
-                elif job.wants_progress:
-                    job.events.put_nowait(("tokens", tokens))
+            self._settle(jobs, generations)
 
-    def _tick(self, release: Sequence[Job], admit: Sequence[Job], progress_for: Sequence[Job]):
-        engine = self.engine
+    def _settle(self, jobs: Sequence[Job], generations: Sequence[Generation]) -> None:
+        """After a tick (no tick is running now): deliver what finished, failed or progressed."""
+        by_slot = {j.slot: j for j in jobs if j.slot is not None}
+        for gen in generations:
+            job = by_slot.pop(gen.slot, None)
+            self.engine.release(gen.slot)
+            if job is None:  # cannot happen unless the engine reports a slot no job holds
+                log.error("the engine finished slot %d, which no request holds; released it", gen.slot)
+                continue
+            job.slot = None
+            if not job.cancelled:
+                self._finish(job, job.carried + list(gen.tokens), gen.finish_reason)
+        for job in jobs:
+            if job.error is not None:  # its slot was released in the tick
+                self._fail(job, job.error)
+        self.running = by_slot
+        self.stats["peak_running"] = max(self.stats["peak_running"], len(by_slot))
+        for job in by_slot.values():
+            if job.finished or job.cancelled or not _watched(job):
+                continue
+            if job.should_stop is not None and job.should_stop(job.sampled):
+                self._finish(job, job.sampled, "stop")
+                job.cancelled = True  # frees the slot at the next tick; a normal end, not counted
+                self._wake.set()
+            elif job.wants_progress:
+                job.events.put_nowait(("tokens", job.sampled))
+
+    def _tick(self, release: Sequence[Job], jobs: Sequence[Job]) -> list[Generation]:
         for job in release:
-            if job.slot is not None:
-                engine.release(job.slot)
-        for job in admit:
-            try:
-                job.slot = engine.open(job.prompt, seed=job.seed)
-                engine.start(job.slot, job.sampling)
-            except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
-                if job.slot is not None:
-                    engine.release(job.slot)
-                    job.slot = None
-                job.error = f"{type(e).__name__}: {e}"
-        generations = engine.step()
+            self.engine.release(job.slot)
+            job.slot = None
+        for job in jobs:
+            if job.slot is None:
+                self._open(job)
+        try:
+            generations = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one request's failure must fail only that request
+            live = [j for j in jobs if j.slot is not None]
+            log.warning("an engine step over %d requests failed (%s: %s); finding the request that fails it",
+                        len(live), type(e).__name__, e)
+            self.stats["isolations"] += 1
+            generations = self._isolate(live)
         done = {g.slot for g in generations}
-        watched = list(progress_for) + [j for j in admit if _watched(j) and j.slot is not None]
-        progress = [(j, engine.sampled(j.slot)) for j in watched if j.slot not in done]
-        return generations, progress
+        for job in jobs:
+            if job.slot is not None and job.slot not in done:
+                job.sampled = job.carried + self.engine.sampled(job.slot)
+        return generations
+
+    def _open(self, job: Job) -> bool:
+        """Give the job a slot and start (or resume) its generation; on failure it fails alone."""
+        sampling = dataclasses.replace(job.sampling, max_new_tokens=job.sampling.max_new_tokens - len(job.carried))
+        try:
+            job.slot = self.engine.open(job.prompt + job.carried, seed=job.seed)
+            self.engine.start(job.slot, sampling)
+        except Exception as e:  # noqa: BLE001 - one bad request must not fail the others
+            self._set_aside(job)
+            job.error = f"{type(e).__name__}: {e}"
+            return False
+        return True
+
+    def _set_aside(self, job: Job) -> None:
+        """Release the job's slot, keeping what it sampled up to the last good step."""
+        if job.slot is not None:
+            self.engine.release(job.slot)
+            job.slot = None
+        job.carried = list(job.sampled)
+
+    def _isolate(self, live: Sequence[Job]) -> list[Generation]:
+        """A step with `live` generating failed: step them again in ever smaller groups; a job
+        whose step fails with it alone in its group fails. The groups that pass make real
+        progress (a decode chunk), so nothing is computed twice, and stay in the batch while
+        later groups are tried: this trusts that a step which raises leaves the slots it did
+        not fail on usable (the engine checks its inputs before running the device program;
+        an engine whose device state is lost fails every request, as it must)."""
+        for job in live:
+            self._set_aside(job)
+        generations: list[Generation] = []
+        suspects = [list(live)]
+        while suspects:
+            group = [job for job in suspects.pop() if self._open(job)]
+            if not group:
+                continue
+            try:
+                generations += self.engine.step()
+            except Exception as e:  # noqa: BLE001
+                for job in group:
+                    self._set_aside(job)
+                if len(group) == 1:
+                    group[0].error = f"engine failure: {type(e).__name__}: {e}"
+                    log.error("a request fails the engine step on its own; failing it: %s", group[0].error)
+                else:
+                    half = len(group) // 2
+                    suspects += [group[half:], group[:half]]
+        return generations
 
     def _finish(self, job: Job, tokens: list[int], finish_reason: str) -> None:
         job.finished = True
@@ -185,17 +257,19 @@ class Scheduler:
         self.stats["errors"] += 1
         job.events.put_nowait(("error", message))
 
-    def _recover(self, message: str, admit: Sequence[Job]) -> None:
-        """After a failed tick the engine's slots are in an unknown state: fail every job that
-        holds one and free them all, so later requests start clean."""
-        for job in list(self.running.values()) + list(admit):
-            self._fail(job, message)
+    def _recover(self, message: str, jobs: Sequence[Job]) -> None:
+        """After a tick failed outside a step the engine's slots are in an unknown state: fail
+        every job that holds one and free them all, so later requests start clean."""
+        for job in jobs:
+            if not job.cancelled:
+                self._fail(job, message)
             if job.slot is not None:
                 try:
                     self.engine.release(job.slot)
                 except KeyError:
                     pass
-        self.running.clear()
+                job.slot = None
+        self.running = {}
 
 
 def _watched(job: Job) -> bool:

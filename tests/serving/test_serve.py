@@ -243,7 +243,7 @@ def test_an_api_key_is_enforced_when_configured(server):
     from muajax.serving.app import ChatService, create_app
 
     secret = "s3cret-for-test"
-    service = ChatService(server.service.engine, server.service.tok, MODEL, api_key=secret)
+    service = ChatService(server.service.engine, server.service.tok, MODEL, vocab_size=151936, api_key=secret)
     http = TestClient(create_app(service))  # no lifespan: the check runs before any generation
     assert http.get("/v1/models").status_code == 401
     assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
