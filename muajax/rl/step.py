@@ -36,7 +36,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix
+from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix, lm_head
 from muajax.rl.advantages import group_advantages
 from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
 from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
@@ -82,14 +82,13 @@ def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature:
     else:
         hidden, _ = forward(params, cfg, tokens, return_hidden=True)
     head = _head(params, cfg)
-    dt = cfg.compute_dtype
 
     def block(h, tgt):
         # Rows flattened to one [B*T] axis (still sharded like the batch: B is its outer
         # factor): with B and T as separate dims XLA:CPU transposes the [B, T, V] logits
         # cotangent for the head's weight gradient, measured ~20% slower per step's head.
         rows = h.shape[0] * h.shape[1]
-        logits = jnp.einsum("ND,DV->NV", h.reshape(rows, h.shape[2]), head.astype(dt))
+        logits = lm_head(h.reshape(rows, h.shape[2]), head, cfg)  # float32 with cfg.logits_fp32
         logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_vocab"))[None]
         tgt = tgt.reshape(1, rows)
         if with_entropy:
