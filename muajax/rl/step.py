@@ -65,7 +65,8 @@ def _head(params, cfg: Qwen3Config):
 
 
 def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature: float = 1.0,
-                      logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True):
+                      logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True,
+                      segment_ids=None):
     """(logprobs, entropy) f32 [B, T] of `targets` under the model run on `tokens`.
 
     `with_entropy=False` returns (logprobs, None) and saves two [B, T, V] passes (the
@@ -76,11 +77,15 @@ def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature:
     instead of [B, T, V] — at T = 32k and V = 152k the full block is tens of GB.
     With `shared_prefix` = P > 0 every row must begin with the same P tokens (the system
     prompt): they run once, not once per row (`forward_shared_prefix`).
+    `segment_ids` [B, T] runs packed rows (see `forward`): attention stays in each segment
+    and positions restart in each.
     """
+    if shared_prefix and segment_ids is not None:
+        raise ValueError("sequence_logprobs: a shared prefix and packed segments do not combine")
     if shared_prefix:
         hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
     else:
-        hidden, _ = forward(params, cfg, tokens, return_hidden=True)
+        hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids)
     head = _head(params, cfg)
 
     def block(h, tgt):

@@ -246,6 +246,26 @@ def test_packed_rows_give_the_logits_of_the_rows_unpacked(small_checkpoint, impl
         start += len(s)
 
 
+def test_packed_rows_give_the_rl_head_the_unpacked_logprobs(small_checkpoint):
+    """`sequence_logprobs(segment_ids=...)`: each segment's token logprobs are its own row's."""
+    from muajax.rl.step import sequence_logprobs
+
+    params, cfg = load_params(small_checkpoint)
+    rng = np.random.RandomState(10)
+    seqs = [rng.randint(0, cfg.vocab_size, n).astype(np.int32) for n in (11, 17)]
+    packed = jnp.asarray(np.concatenate(seqs + [np.zeros(4, np.int32)])[None])
+    segment_ids = jnp.asarray(np.concatenate([np.full(11, 1), np.full(17, 2), np.zeros(4, int)])[None], jnp.int32)
+    targets = jnp.roll(packed, -1, axis=1)
+    logp, _ = sequence_logprobs(params, cfg, packed, targets, segment_ids=segment_ids, with_entropy=False)
+    start = 0
+    for s in seqs:
+        row = jnp.asarray(s[None])
+        alone, _ = sequence_logprobs(params, cfg, row, jnp.roll(row, -1, axis=1), with_entropy=False)
+        inner = len(s) - 1  # the last token's target lies in the next segment
+        np.testing.assert_allclose(np.asarray(logp)[0, start:start + inner], np.asarray(alone)[0, :inner], atol=2e-5)
+        start += len(s)
+
+
 def test_packed_positions_restart_in_each_segment():
     from muajax.models.qwen3 import packed_positions
 
@@ -267,6 +287,18 @@ def test_shared_prefix_forward_with_chunked_attention_equals_the_full_forward(sm
     for impl in ("chunked", "splash"):  # splash has no cache form: it runs chunked here
         got = forward_shared_prefix(params, cfg.replace(attention=impl), jnp.asarray(tokens), 19)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_forward_over_a_cache_keeps_the_reference_attention(small_checkpoint, monkeypatch):
+    """The engine's extend and decode run "xla" whatever cfg.attention says."""
+    from muajax.models import attention as attention_module
+
+    params, cfg = load_params(small_checkpoint)
+    seen = []
+    resolve = attention_module.resolve
+    monkeypatch.setattr(attention_module, "resolve", lambda impl, **kw: seen.append(impl) or resolve(impl, **kw))
+    forward(params, cfg.replace(attention="splash"), jnp.zeros((2, 3), jnp.int32), cache=init_cache(cfg, 2, 8))
+    assert seen and set(seen) == {"xla"}
 
 
 def test_packing_rejects_a_cache_or_a_mask(small_checkpoint):
