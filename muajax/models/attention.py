@@ -10,8 +10,7 @@ N is a multiple of K (grouped-query attention). Two mask forms:
     Right padding needs no ids at all: it comes after every real query.
   cache (q_index [B, T], kv_valid [B, S]): each query's own index into the key axis, and
     which key slots hold tokens: visible when s <= q_index[t] and kv_valid[s]. This is a
-    prefix held in a KV cache that rows extend (`forward_shared_prefix`). q_index must be
-    nondecreasing along T only for speed, never for correctness.
+    prefix held in a KV cache that rows extend (`forward_shared_prefix`).
 A query that sees no key gets an unspecified finite value.
 
 Implementations:
