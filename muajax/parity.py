@@ -1,6 +1,7 @@
 """muajax against `transformers` on one checkpoint: logits, and optionally greedy tokens.
 
     python -m muajax.parity HF_DIR [--dtype float32|bfloat16] [--generate N] [--batch B] [--seed S]
+                                   [--attention auto|xla|chunked|splash|cudnn]
 
 Both implementations load HF_DIR (transformers: PyTorch on CPU; muajax: the default JAX
 backend) and run the same batch of prompts of ragged lengths. Prompts come from the
@@ -10,6 +11,8 @@ output says which. Reported: max |Δlogit| over valid (non-padding) positions an
 KL(transformers || muajax) between the next-token distributions. With `--generate N`,
 N greedy tokens per prompt from HF `generate` (one prompt at a time, EOS stopping off)
 are compared with muajax's cached decode (ragged prefill in one call, then 1-token steps).
+`--attention` picks the full forward's attention (`muajax.models.attention`; splash runs in
+Pallas interpret mode off TPU, cudnn needs a GPU); the engine's decode keeps its own.
 
 Pass/fail (exit 0/1):
   float32   max |Δlogit| <= 1e-4 (--atol) and every greedy token equal.
@@ -229,6 +232,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="number of prompts (default 4)")
     p.add_argument("--seed", type=int, default=0, help="prompt order / random ids (default 0)")
     p.add_argument("--max-prompt-len", type=int, default=24, help="longest random prompt (default 24)")
+    p.add_argument("--attention", default=None, metavar="IMPL",
+                   help="attention of the full forward: auto, xla, chunked, splash or cudnn (default: the model's)")
     p.add_argument("--atol", type=float, default=F32_ATOL, help=f"float32 max |Δlogit| bound (default {F32_ATOL})")
     p.add_argument("--max-kl", type=float, default=BF16_MAX_KL, help=f"bfloat16 mean-KL bound (default {BF16_MAX_KL})")
     args = p.parse_args(argv)
@@ -248,6 +253,7 @@ def run(args: argparse.Namespace) -> dict:
                           "(is it a Hugging Face model directory?)")
     import jax
 
+    from muajax.models.attention import IMPLEMENTATIONS
     from muajax.models.hf import load_config
     from muajax.models.safetensors_io import CheckpointError
 
@@ -255,6 +261,11 @@ def run(args: argparse.Namespace) -> dict:
         cfg = load_config(args.hf_dir)
     except CheckpointError as exc:
         raise ParityError(str(exc)) from None
+    if args.attention not in (None, *IMPLEMENTATIONS):
+        raise ParityError(f"--attention {args.attention}: expected one of {', '.join(IMPLEMENTATIONS)}")
+    if args.attention == "cudnn" and (jax.default_backend() != "gpu" or args.dtype != "bfloat16"):
+        raise ParityError(f"--attention cudnn needs a GPU and --dtype bfloat16 (backend {jax.default_backend()}, "
+                          f"dtype {args.dtype})")
     prompts, source = make_prompts(args.hf_dir, cfg.vocab_size, args.batch, args.seed, args.max_prompt_len)
     lengths = [len(p) for p in prompts]
     if max(lengths) + args.generate > cfg.max_position_embeddings:
@@ -279,6 +290,7 @@ def run(args: argparse.Namespace) -> dict:
         params, mcfg = muajax_load(args.hf_dir, args.dtype)
     except CheckpointError as exc:
         raise ParityError(str(exc)) from None
+    mcfg = mcfg.replace(attention=args.attention or mcfg.attention)
     precision = "highest" if args.dtype == "float32" else "default"  # TPUs default to bf16 passes
     with jax.default_matmul_precision(precision):
         our_logits = muajax_logits(params, mcfg, tokens)
@@ -286,7 +298,7 @@ def run(args: argparse.Namespace) -> dict:
     t2 = time.perf_counter()
 
     result = {"dtype": args.dtype, "batch": len(prompts), "seed": args.seed, "prompt_source": source,
-              "prompt_lengths": lengths, "generate": args.generate}
+              "prompt_lengths": lengths, "generate": args.generate, "attention": mcfg.attention}
     result.update(compare_logits(ref_logits, our_logits, mask))
     if args.generate:
         result.update(compare_tokens(ref_tokens, our_tokens))

@@ -64,6 +64,22 @@ def test_one_corrupted_muajax_weight_exits_1(checkpoint):
     assert "FAIL" in proc.stdout
 
 
+def test_splash_attention_on_long_prompts_passes(tmp_path):
+    """--attention splash (Pallas interpret mode on CPU, head_dim 64) with prompts up to 700
+    tokens: not a multiple of any block, so every row is padded inside the kernel's wrapper."""
+    path = make_hf_checkpoint(str(tmp_path), seed=6, head_dim=64, max_position_embeddings=1024)
+    proc, out = run_cli([path, "--attention", "splash", "--max-prompt-len", "700", "--generate", "3", "--batch", "2"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert out["attention"] == "splash" and max(out["prompt_lengths"]) > 256
+    assert out["max_abs_logit_diff"] <= 1e-4 and out["tokens_match"] is True
+
+
+def test_attention_that_cannot_run_here_exits_2(checkpoint):
+    for name, message in (("flash", "expected one of auto, xla, chunked, splash, cudnn"), ("cudnn", "needs a GPU")):
+        with pytest.raises(parity.ParityError, match=message):
+            parity.run(parity.parse_args([checkpoint, "--attention", name]))
+
+
 def test_bad_directories_exit_2_with_a_clear_error(tmp_path):
     proc, out = run_cli([str(tmp_path / "missing")])
     assert proc.returncode == 2 and "not a directory" in proc.stderr

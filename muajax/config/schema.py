@@ -84,7 +84,13 @@ class ModelConfig:
     arch: ArchConfig | None = dataclasses.field(default_factory=ArchConfig)
     param_dtype: Dtype = "float32"
     dtype: Dtype = "float32"
-    remat: Literal["none", "full", "dots"] = "none"
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    # Full-sequence attention (training, SFT, the shared-prefix forward): splash on TPU,
+    # cuDNN on GPU, blockwise `chunked` on CPU past a length; `xla` is the einsum reference.
+    attention: Literal["auto", "xla", "chunked", "splash", "cudnn"] = "auto"
+    # The LM head in float32 whatever the compute dtype, so that the engine's and the
+    # trainer's logprobs of a sampled token agree to rounding.
+    logits_fp32: bool = True
     # "domain": renumber the tokenizer's ids to the subset the domain uses (tiny CPU
     # models; see muajax.models.vocab): built for an inline `arch`, or read from an
     # `hf_dir` checkpoint's domain_vocab.json.

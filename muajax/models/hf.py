@@ -262,7 +262,7 @@ def load_params(hf_dir: str, cfg: Qwen3Config | None = None, shardings=None):
     """Load a HF Qwen3 checkpoint directory into (params, cfg).
 
     `shardings`: a pytree like params of `jax.sharding.Sharding` (e.g. from
-    `muajax.parallel.param_shardings`); None puts everything on the default device.
+    `muajax.models.sharding.param_shardings`); None puts everything on the default device.
     Parameters are cast to `cfg.param_dtype`.
     """
     cfg = cfg or load_config(hf_dir)

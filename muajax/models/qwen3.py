@@ -6,7 +6,8 @@ Per layer: RMSNorm -> grouped-query attention (per-head RMSNorm on q and k, then
 
 Cast order follows HF exactly: RMSNorm normalises in float32 and casts back before the
 weight multiply; RoPE tables are built in float32 then cast to the compute dtype.
-Attention scores, softmax and logits-to-logprob math run in float32.
+Attention scores, softmax and logits-to-logprob math run in float32. Attention itself is
+`muajax.models.attention` (`cfg.attention`: xla, chunked, splash, cudnn or auto).
 
 Every weight and activation carries logical axis names (`embed`, `q_heads`, `mlp`, ...);
 `muajax.parallel` maps them onto mesh axes.
@@ -35,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muajax.models.attention import IMPLEMENTATIONS, attention
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
@@ -55,6 +58,12 @@ class Qwen3Config:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    # Training and full-sequence attention (`muajax.models.attention`); a forward over a KV
+    # cache (the engine's extend and decode) uses "xla" unless told otherwise.
+    attention: str = "auto"
+    # The LM head in float32 (products of bfloat16 values are exact in float32, so with
+    # bfloat16 operands only the accumulation changes; see `lm_head`).
+    logits_fp32: bool = False
 
     def __post_init__(self):
         for name in ("param_dtype", "dtype"):
@@ -62,6 +71,8 @@ class Qwen3Config:
                 raise ValueError(f"Qwen3Config.{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Qwen3Config.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"Qwen3Config.attention={self.attention!r}: expected one of {IMPLEMENTATIONS}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"Qwen3Config: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -150,17 +161,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class AttentionContext(NamedTuple):
     """What every layer needs besides its weights, shared (broadcast) across the scan.
 
-    q_index [B, T]: each query's index in the key sequence (its cache slot, or t).
-    kv_valid [B, S]: which key slots hold real tokens after this chunk is written.
+    q_index [B, T]: each query's index in the key sequence (its cache slot); None without
+        a cache (causal self-attention: query t sees keys <= t).
+    kv_valid [B, S]: which key slots hold real tokens after this chunk is written (cache only).
     write_index [B, T]: where each new token's k/v goes in the cache (out of range = dropped).
     cos, sin [B, T, head_dim]: rotary tables at the queries' absolute positions.
+    segment_ids [B, T]: without a cache, attention stays within equal ids (packing, padding).
     """
 
-    q_index: jax.Array
-    kv_valid: jax.Array
+    q_index: jax.Array | None
+    kv_valid: jax.Array | None
     write_index: jax.Array | None
     cos: jax.Array
     sin: jax.Array
+    segment_ids: jax.Array | None = None
 
 
 def _param(module: nn.Module, name: str, shape, axes, init):
@@ -223,7 +237,8 @@ class DecoderLayer(nn.Module):
         else:
             keys, values = kk.transpose(0, 2, 1, 3), vv.transpose(0, 2, 1, 3)
 
-        attn = _attention(q, keys, values, ctx, cfg)
+        attn = attention(q, keys, values, implementation=cfg.attention, segment_ids=ctx.segment_ids,
+                         q_index=ctx.q_index, kv_valid=ctx.kv_valid)
         x = x + jnp.einsum("BTNH,NHD->BTD", attn, wo.astype(dt))
         x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
@@ -253,23 +268,6 @@ def _write_stacked(stacked, layer, k_new, v_new, write_index):
     k_cache = k_cache.at[layer, rows, :, write_index].set(k_new.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[layer, rows, :, write_index].set(v_new.astype(v_cache.dtype), mode="drop")
     return k_cache, v_cache
-
-
-def _attention(q, keys, values, ctx: AttentionContext, cfg: Qwen3Config) -> jax.Array:
-    """q [B, T, N, H]; keys, values [B, K, S, H]."""
-    b, t, n, h = q.shape
-    kv = cfg.num_kv_heads
-    q = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, keys, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
-    key_index = jnp.arange(keys.shape[2])
-    allowed = (key_index[None, None, :] <= ctx.q_index[:, :, None]) & ctx.kv_valid[:, None, :]
-    scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    # the dot's natural output order: asked for [B, T, K, G, H], XLA swapped the operands into
-    # a form its fast CPU dot path does not take
-    out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, values)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _remat_policy(name: str):
@@ -337,17 +335,38 @@ class Qwen3(nn.Module):
         else:
             head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                           nn.initializers.normal(0.02))
-        logits = jnp.einsum("BTD,DV->BTV", x, head.astype(dt))
+        logits = lm_head(x, head, cfg)
         logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
         return logits, new_cache
 
 
-def _no_cache_context(cfg, positions, attention_mask) -> AttentionContext:
-    b, t = positions.shape
+def lm_head(x: jax.Array, head: jax.Array, cfg: Qwen3Config) -> jax.Array:
+    """Logits [..., V] of hidden states x [..., D] through head [D, V]: in the compute dtype,
+    or with `cfg.logits_fp32` in float32. bfloat16 operands then stay bfloat16 with a float32
+    result (their products are exact in float32: one MXU pass on TPU, no float32 copy of the
+    head); any float32 operand makes the dot float32 at full precision."""
+    dt = cfg.compute_dtype
+    if not cfg.logits_fp32:
+        return jnp.einsum("...D,DV->...V", x, head.astype(dt))
+    if x.dtype == head.dtype and jnp.dtype(x.dtype).itemsize < 4:
+        return jnp.einsum("...D,DV->...V", x, head, preferred_element_type=jnp.float32)
+    return jnp.einsum("...D,DV->...V", x.astype(jnp.float32), head.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def packed_positions(segment_ids: jax.Array) -> jax.Array:
+    """Positions [B, T] that restart at 0 wherever the segment id changes."""
+    t = segment_ids.shape[1]
+    index = jnp.arange(t, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def _no_cache_context(cfg, positions, attention_mask, segment_ids=None) -> AttentionContext:
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.compute_dtype)
-    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kv_valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask.astype(bool)
-    return AttentionContext(q_index, kv_valid, None, cos, sin)
+    if attention_mask is not None:  # real tokens see real tokens: the mask as two segments
+        segment_ids = attention_mask.astype(jnp.int32)
+    return AttentionContext(None, None, None, cos, sin, segment_ids)
 
 
 def _cache_context(cfg, cache: KVCache, num_new: jax.Array, t: int) -> AttentionContext:
@@ -373,11 +392,15 @@ def forward(
     return_hidden: bool = False,
     in_place: bool = True,
     layer_params: list | None = None,
+    segment_ids: jax.Array | None = None,
+    attention: str | None = None,
 ):
     """Run the model. Returns (logits [B, T or P, V], new cache or None).
 
     Without a cache: a causal forward over `tokens` [B, T] (right padding is harmless;
-    `attention_mask` hides padded keys when left padding is used). With a cache: the
+    `attention_mask` hides padded keys when left padding is used). Packed rows pass
+    `segment_ids` [B, T] (one id per sequence, 0 for padding): attention never crosses a
+    segment, and positions (default) restart in each one. With a cache: the
     chunk `tokens` [B, T] is appended to each row at `cache.lengths[b]`, of which the
     first `num_new[b]` tokens are real (default: all T); positions continue each row.
     `logits_index` [B, P] picks the positions whose logits are wanted.
@@ -389,13 +412,22 @@ def forward(
     on CPU copies every dynamic slice that feeds a dot, which in a decode loop is a copy
     of all the weights per token. `layer_params` (default `split_layers(params)`) gives
     the weights; pass ones that are already separate buffers to avoid even static slices.
+
+    `attention` names the attention implementation for this call (`muajax.models.attention`):
+    by default `cfg.attention` without a cache and "xla" with one (the engine's extend and
+    decode; paged attention is the engine's own concern).
     """
-    model = Qwen3(cfg)
+    impl = attention or (cfg.attention if cache is None else "xla")
+    model = Qwen3(cfg if impl == cfg.attention else cfg.replace(attention=impl))
     b, t = tokens.shape
+    if segment_ids is not None and (cache is not None or attention_mask is not None):
+        raise ValueError("forward: segment_ids (packing) take neither a cache nor an attention_mask")
     if cache is None:
-        if positions is None:
+        if positions is None and segment_ids is not None:
+            positions = packed_positions(segment_ids)
+        elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        ctx = _no_cache_context(cfg, positions, attention_mask)
+        ctx = _no_cache_context(cfg, positions, attention_mask, segment_ids)
         out, _ = model.apply({"params": params}, tokens, ctx, None, logits_index, return_hidden)
         return out, None
     if num_new is None:
@@ -418,24 +450,26 @@ def forward_shared_prefix(params, cfg: Qwen3Config, tokens: jax.Array, prefix_le
     rows all begin with the same `prefix_len` tokens (e.g. the system prompt with policy and
     tools, which dominates short agent conversations): the prefix runs once, for one row,
     into a KV cache that every row then extends with its own tokens. Differentiable; the
-    prefix's gradient is the sum over rows, as in the full forward.
+    prefix's gradient is the sum over rows, as in the full forward. Attention is
+    `cfg.attention` in its cache form (`chunked` where splash or cudnn was asked for).
     """
     b, t = tokens.shape
     if not 0 < prefix_len < t:
         raise ValueError(f"prefix_len={prefix_len} must be in (0, {t})")
     cache = init_cache(cfg, 1, t)
     h_prefix, cache = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True,
-                              in_place=False)
+                              in_place=False, attention=cfg.attention)
     shape = (cfg.num_layers, b) + cache.k.shape[2:]
     cache = KVCache(jnp.broadcast_to(cache.k, shape), jnp.broadcast_to(cache.v, shape),
                     jnp.broadcast_to(cache.lengths, (b,)))
-    h_rest, _ = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True, in_place=False)
+    h_rest, _ = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True, in_place=False,
+                        attention=cfg.attention)
     return jnp.concatenate([jnp.broadcast_to(h_prefix, (b,) + h_prefix.shape[1:]), h_rest], axis=1)
 
 
 def abstract_params(cfg: Qwen3Config):
     """Boxed (LogicallyPartitioned) abstract params: shapes, dtypes and logical axes; nothing allocated."""
-    model = Qwen3(cfg)
+    model = Qwen3(cfg.replace(attention="xla"))  # any attention has the same params; this one is cheapest
     tokens = jnp.zeros((1, 1), jnp.int32)
     ctx = _no_cache_context(cfg, jnp.zeros((1, 1), jnp.int32), None)
     return jax.eval_shape(lambda key: model.init(key, tokens, ctx, None)["params"], jax.random.key(0))
@@ -449,7 +483,7 @@ def logical_axes(cfg: Qwen3Config):
 
 def init_params(cfg: Qwen3Config, key: jax.Array):
     """Random params (unboxed) — for tests and from-scratch tiny models."""
-    model = Qwen3(cfg)
+    model = Qwen3(cfg.replace(attention="xla"))  # any attention has the same params; this one is cheapest
     tokens = jnp.zeros((1, 1), jnp.int32)
     ctx = _no_cache_context(cfg, jnp.zeros((1, 1), jnp.int32), None)
     return nn.meta.unbox(model.init(key, tokens, ctx, None)["params"])
@@ -459,4 +493,4 @@ def param_bytes(params) -> int:
     return int(sum(np.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden", "in_place"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden", "in_place", "attention"))

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix
+from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix, lm_head
 from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
 from muajax.rl.optim import Optimizer
 
@@ -62,7 +62,8 @@ def _head(params, cfg: Qwen3Config):
 
 
 def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature: float = 1.0,
-                      logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True):
+                      logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True,
+                      segment_ids=None):
     """(logprobs, entropy) f32 [B, T] of `targets` under the model run on `tokens`.
 
     `with_entropy=False` returns (logprobs, None) and saves two [B, T, V] passes (the
@@ -73,20 +74,23 @@ def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature:
     instead of [B, T, V] — at T = 32k and V = 152k the full block is tens of GB.
     With `shared_prefix` = P > 0 every row must begin with the same P tokens (the system
     prompt): they run once, not once per row (`forward_shared_prefix`).
+    `segment_ids` [B, T] runs packed rows (see `forward`): attention stays in each segment
+    and positions restart in each.
     """
+    if shared_prefix and segment_ids is not None:
+        raise ValueError("sequence_logprobs: a shared prefix and packed segments do not combine")
     if shared_prefix:
         hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
     else:
-        hidden, _ = forward(params, cfg, tokens, return_hidden=True)
+        hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids)
     head = _head(params, cfg)
-    dt = cfg.compute_dtype
 
     def block(h, tgt):
         # Rows flattened to one [B*T] axis (still sharded like the batch: B is its outer
         # factor): with B and T as separate dims XLA:CPU transposes the [B, T, V] logits
         # cotangent for the head's weight gradient, measured ~20% slower per step's head.
         rows = h.shape[0] * h.shape[1]
-        logits = jnp.einsum("ND,DV->NV", h.reshape(rows, h.shape[2]), head.astype(dt))
+        logits = lm_head(h.reshape(rows, h.shape[2]), head, cfg)  # float32 with cfg.logits_fp32
         logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_vocab"))[None]
         tgt = tgt.reshape(1, rows)
         if with_entropy:

@@ -59,7 +59,8 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
     """(Qwen3Config, tokenizer, hf_dir or None). A domain vocabulary is built once and
     saved in the run directory, so a resumed run reads back the same ids."""
     m = cfg.model
-    dtypes = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+    dtypes = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat, attention=m.attention,
+                  logits_fp32=m.logits_fp32)
     if m.hf_dir:
         tokenizer = checkpoint_tokenizer(m.hf_dir)
         _check_checkpoint_fits_run(cfg, tokenizer)

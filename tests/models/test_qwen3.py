@@ -181,3 +181,152 @@ def test_unrolled_per_layer_cache_equals_stacked(checkpoint):
         np.testing.assert_allclose(np.stack(layered.k), np.asarray(stacked.k), atol=1e-6, rtol=0)
         np.testing.assert_allclose(np.stack(layered.v), np.asarray(stacked.v), atol=1e-6, rtol=0)
         np.testing.assert_array_equal(np.asarray(layered.lengths), np.asarray(stacked.lengths))
+
+
+# ----------------------------------------------------------------------------- attention implementations
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """GQA 2, head_dim 64: the shapes splash and chunked see in real models, kept tiny."""
+    path = str(tmp_path_factory.mktemp("attn"))
+    return make_hf_checkpoint(path, seed=11, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def _logits_and_grads(params, cfg, tokens, weight, **kwargs):
+    def loss(p):
+        logits, _ = forward(p, cfg, tokens, **kwargs)
+        return jnp.sum(logits * weight), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return np.asarray(logits), grads
+
+
+@pytest.mark.parametrize("impl", ["chunked", "splash"])
+def test_attention_implementations_give_the_reference_logits_and_gradients(small_checkpoint, impl, monkeypatch):
+    """Right-padded rows through the whole model, blocks shorter than the rows (chunked: 16;
+    splash pads 43 to one block of 128)."""
+    from muajax.models import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "CHUNK_BLOCK", 16)
+    params, cfg = load_params(small_checkpoint)
+    tokens, mask = ragged_batch(seed=6, lengths=(43, 20, 31))
+    # a mean over valid positions, so that gradients are O(1) and float32's rounding of them ~1e-7
+    weight = np.random.RandomState(0).randn(*tokens.shape, cfg.vocab_size) * mask[:, :, None] / mask.sum()
+    weight = jnp.asarray(weight, jnp.float32)
+    want, want_grads = _logits_and_grads(params, cfg.replace(attention="xla"), jnp.asarray(tokens), weight)
+    got, grads = _logits_and_grads(params, cfg.replace(attention=impl), jnp.asarray(tokens), weight)
+    valid = mask.astype(bool)
+    assert np.abs(got - want)[valid].max() <= 2e-5
+    scale = max(float(np.abs(np.asarray(b)).max()) for b in jax.tree.leaves(want_grads))
+    error = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
+    assert error <= 2e-5 and scale > 1e-2, (error, scale)
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked", "splash"])
+def test_packed_rows_give_the_logits_of_the_rows_unpacked(small_checkpoint, impl, monkeypatch):
+    """Three sequences packed in one row with trailing padding: attention stays in each
+    segment and positions restart, so each segment's logits are its own row's."""
+    from muajax.models import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "CHUNK_BLOCK", 16)
+    params, cfg = load_params(small_checkpoint)
+    cfg = cfg.replace(attention=impl)
+    rng = np.random.RandomState(7)
+    seqs = [rng.randint(0, cfg.vocab_size, n) for n in (13, 21, 9)]
+    packed = np.concatenate(seqs + [np.zeros(5, int)])[None].astype(np.int32)
+    segment_ids = np.concatenate([np.full(len(s), i + 1) for i, s in enumerate(seqs)] + [np.zeros(5, int)])[None]
+    logits, _ = forward(params, cfg, jnp.asarray(packed), segment_ids=jnp.asarray(segment_ids, jnp.int32))
+    logits = np.asarray(logits)[0]
+    start = 0
+    for s in seqs:
+        alone = np.asarray(forward(params, cfg.replace(attention="xla"), jnp.asarray(s[None], jnp.int32))[0])[0]
+        np.testing.assert_allclose(logits[start:start + len(s)], alone, atol=2e-5, rtol=0)
+        start += len(s)
+
+
+def test_packed_rows_give_the_rl_head_the_unpacked_logprobs(small_checkpoint):
+    """`sequence_logprobs(segment_ids=...)`: each segment's token logprobs are its own row's."""
+    from muajax.rl.step import sequence_logprobs
+
+    params, cfg = load_params(small_checkpoint)
+    rng = np.random.RandomState(10)
+    seqs = [rng.randint(0, cfg.vocab_size, n).astype(np.int32) for n in (11, 17)]
+    packed = jnp.asarray(np.concatenate(seqs + [np.zeros(4, np.int32)])[None])
+    segment_ids = jnp.asarray(np.concatenate([np.full(11, 1), np.full(17, 2), np.zeros(4, int)])[None], jnp.int32)
+    targets = jnp.roll(packed, -1, axis=1)
+    logp, _ = sequence_logprobs(params, cfg, packed, targets, segment_ids=segment_ids, with_entropy=False)
+    start = 0
+    for s in seqs:
+        row = jnp.asarray(s[None])
+        alone, _ = sequence_logprobs(params, cfg, row, jnp.roll(row, -1, axis=1), with_entropy=False)
+        inner = len(s) - 1  # the last token's target lies in the next segment
+        np.testing.assert_allclose(np.asarray(logp)[0, start:start + inner], np.asarray(alone)[0, :inner], atol=2e-5)
+        start += len(s)
+
+
+def test_packed_positions_restart_in_each_segment():
+    from muajax.models.qwen3 import packed_positions
+
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(packed_positions(seg)), [[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 0, 1, 2, 3, 4, 5]])
+
+
+def test_shared_prefix_forward_with_chunked_attention_equals_the_full_forward(small_checkpoint, monkeypatch):
+    """The cache-style mask: a prefix in a KV cache, then rows extending it, in blocks of 16."""
+    from muajax.models import attention as attention_module
+    from muajax.models.qwen3 import forward_shared_prefix
+
+    monkeypatch.setattr(attention_module, "CHUNK_BLOCK", 16)
+    params, cfg = load_params(small_checkpoint)
+    rng = np.random.RandomState(8)
+    tokens = rng.randint(0, cfg.vocab_size, (3, 45)).astype(np.int32)
+    tokens[:, :19] = tokens[0, :19]
+    want, _ = forward(params, cfg.replace(attention="xla"), jnp.asarray(tokens), return_hidden=True)
+    for impl in ("chunked", "splash"):  # splash has no cache form: it runs chunked here
+        got = forward_shared_prefix(params, cfg.replace(attention=impl), jnp.asarray(tokens), 19)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_forward_over_a_cache_keeps_the_reference_attention(small_checkpoint, monkeypatch):
+    """The engine's extend and decode run "xla" whatever cfg.attention says."""
+    from muajax.models import attention as attention_module
+
+    params, cfg = load_params(small_checkpoint)
+    seen = []
+    resolve = attention_module.resolve
+    monkeypatch.setattr(attention_module, "resolve", lambda impl, **kw: seen.append(impl) or resolve(impl, **kw))
+    forward(params, cfg.replace(attention="splash"), jnp.zeros((2, 3), jnp.int32), cache=init_cache(cfg, 2, 8))
+    assert seen and set(seen) == {"xla"}
+
+
+def test_packing_rejects_a_cache_or_a_mask(small_checkpoint):
+    params, cfg = load_params(small_checkpoint)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="segment_ids"):
+        forward(params, cfg, tokens, segment_ids=jnp.ones((1, 4), jnp.int32), attention_mask=jnp.ones((1, 4)))
+    with pytest.raises(ValueError, match="Qwen3Config.attention"):
+        cfg.replace(attention="flash")
+
+
+def test_logits_fp32_runs_the_head_in_float32(tmp_path):
+    """bfloat16 weights and activations: with logits_fp32 the logits (model and RL head alike)
+    are the float32 dot of the same bfloat16 hidden states and head, not bfloat16 roundings."""
+    from muajax.rl.step import sequence_logprobs
+
+    path = make_hf_checkpoint(str(tmp_path), seed=12, dtype=torch.bfloat16)
+    params, cfg = load_params(path, load_config(path, param_dtype="bfloat16", dtype="bfloat16"))
+    tokens = jnp.asarray(ragged_batch(seed=9)[0])
+    hidden, _ = forward(params, cfg, tokens, return_hidden=True)
+    exact = jnp.einsum("BTD,DV->BTV", hidden.astype(jnp.float32), params["lm_head"].astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    plain, _ = forward(params, cfg, tokens)
+    wide, _ = forward(params, cfg.replace(logits_fp32=True), tokens)
+    assert plain.dtype == jnp.bfloat16 and wide.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(wide), np.asarray(exact), atol=1e-5, rtol=1e-5)
+    assert np.abs(np.asarray(plain, np.float32) - np.asarray(exact)).max() > 1e-3  # bf16 rounding is visible
+    targets = jnp.roll(tokens, -1, axis=1)
+    logp, _ = sequence_logprobs(params, cfg.replace(logits_fp32=True), tokens, targets, with_entropy=False)
+    want = jnp.take_along_axis(jax.nn.log_softmax(exact, axis=-1), targets[:, :, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(want), atol=1e-5, rtol=0)
