@@ -1,13 +1,5 @@
 """MCP scenario files: the server to start, the tasks and how each is judged.
 
-The tools are whatever the server lists (plus muajax's general think / calculate /
-transfer_to_human_agents, unless the server has a tool of that name: then the server's
-runs, and a successful `transfer_to_human_agents` still ends the episode). The MCP SDK
-is async while `EnvSession.step()` is sync, so each `McpClient` runs its connection on
-a private event-loop thread and `step()` blocks on the call, bounded by a per-call
-timeout. By default every session starts its own server process (isolated state);
-`shared: true` makes all sessions of an environment use one process.
-
 Scenario file (JSON, or YAML by a .yaml/.yml extension)::
 
     name: notes                          # the environment's name
