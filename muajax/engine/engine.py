@@ -37,9 +37,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax.engine import batching, kv_cache
-from muajax.engine.paged_attention import KernelBlocks, resolve_attention
+from muajax.engine.paged_attention import KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
-from muajax.engine.programs import Programs, ProgramSpec, make_pool_spec
+from muajax.engine.programs import Programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
 
@@ -102,12 +102,10 @@ class Engine:
         self.cfg, self.num_slots, self.max_len, self.mesh = cfg, num_slots, max_len, mesh
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
         self.decode_chunk, self.max_extend_tokens = decode_chunk, max_extend_tokens
-        self.attention = resolve_attention(attention, cfg, mesh)
-        self.page_size = page_size or (128 if self.attention == "pallas" else 16)
-        shards = 1 if mesh is None else batching.num_shards(mesh)
-        tokens = kv_cache_tokens or max(num_slots, shards) * max_len
-        pool = make_pool_spec(cfg, mesh, kv_cache_tokens=tokens, page_size=self.page_size, max_len=max_len)
-        self.spec = ProgramSpec(pool, max_len, decode_chunk, self.attention, kernel_blocks)
+        self.spec = build_spec(cfg, mesh, num_slots=num_slots, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
+                               page_size=page_size, decode_chunk=decode_chunk, attention=attention,
+                               blocks=kernel_blocks)
+        self.attention, self.page_size, pool = self.spec.attention, self.spec.pool.page_size, self.spec.pool
         self.extend_widths = tuple(sorted({min(w, max_len) for w in extend_widths}))
         # Batches are padded per shard to a power of two (at least min_batch_bucket): each bucket
         # is one compilation; a larger minimum trades a little padded work for fewer compilations.

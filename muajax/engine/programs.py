@@ -15,16 +15,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muajax import parallel
-from muajax.engine import kv_cache, paged_attention
+from muajax.engine import batching, kv_cache, paged_attention
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.paged_attention import KernelBlocks
 from muajax.engine.sampling import sample_tokens
+from muajax.models import qwen3
 from muajax.models.qwen3 import Qwen3, Qwen3Config, forward
 
 
@@ -41,6 +43,21 @@ class ProgramSpec:
     @property
     def cfg(self) -> Qwen3Config:
         return self.pool.cfg
+
+
+def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache_tokens: int | None = None,
+               page_size: int | None = None, decode_chunk: int = 32, attention: str = "auto",
+               blocks: KernelBlocks = KernelBlocks()) -> ProgramSpec:
+    """The programs' static spec from the Engine's arguments (the Engine and planners both
+    come through here). Defaults: a pool of max(num_slots, shards) * max_len tokens (room for
+    every conversation at full length: no preemption), pages of 128 tokens for the Pallas
+    kernel (few pages per sequence: its page table lives in scalar memory) and 16 otherwise."""
+    attention = paged_attention.resolve_attention(attention, cfg, mesh)
+    page_size = page_size or (128 if attention == "pallas" else 16)
+    shards = 1 if mesh is None else parallel.batch_divisor(mesh)
+    tokens = kv_cache_tokens or max(num_slots, shards) * max_len
+    pool = make_pool_spec(cfg, mesh, kv_cache_tokens=tokens, page_size=page_size, max_len=max_len)
+    return ProgramSpec(pool, max_len, decode_chunk, attention, blocks)
 
 
 def make_pool_spec(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int, max_len: int) -> PoolSpec:
@@ -221,3 +238,49 @@ def abstract_decode_args(spec: ProgramSpec, params, rows: int, num_stop_ids: int
             jax.ShapeDtypeStruct((rows, pool.max_pages), jnp.int32, sharding=table_sh), row(jnp.int32),
             row(jnp.int32), row(jnp.uint32), row(jnp.float32), row(jnp.float32), row(jnp.int32), row(jnp.int32),
             row(jnp.int32), jax.ShapeDtypeStruct((num_stop_ids,), jnp.int32, sharding=stop_sh))
+
+
+@dataclasses.dataclass
+class ProgramCall:
+    """One program with abstract arguments: `lower()` (then `.compile()`) allocates nothing."""
+
+    name: str
+    program: Program
+    args: tuple
+    static: dict
+
+    def lower(self):
+        return self.program.lower(*self.args, **self.static)
+
+
+def abstract_params(cfg: Qwen3Config, mesh):
+    """ShapeDtypeStructs of the params, in the training layout (`parallel.param_shardings`)."""
+    shapes = nn.meta.unbox(qwen3.abstract_params(cfg))
+    if mesh is None:
+        return shapes
+    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), shapes,
+                        parallel.param_shardings(cfg, mesh))
+
+
+def abstract_programs(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int | None = None,
+                      max_seqs: int, max_len: int, widths=(32, 128, 512, 2048), decode_chunk: int = 16,
+                      max_extend_tokens: int = 8192, attention: str = "auto", blocks: KernelBlocks = KernelBlocks(),
+                      dense_tokens: int | None = None, params=None) -> list[ProgramCall]:
+    """The engine's decode program (every shard full: `max_seqs` conversations) and its extend
+    program at each width (as many rows as `max_extend_tokens` allows), as an `Engine` with
+    these arguments would build them, on abstract arguments. `dense_tokens` (pure-JAX path):
+    the positions gathered (default max_len, the worst case). `params`: abstract params
+    (default: the training layout of `cfg` on `mesh`)."""
+    spec = build_spec(cfg, mesh, num_slots=max_seqs, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
+                      page_size=page_size, decode_chunk=decode_chunk, attention=attention, blocks=blocks)
+    programs = Programs(spec)
+    params = abstract_params(cfg, mesh) if params is None else params
+    shards, row_buckets = spec.pool.num_shards, batching.buckets(-(-max_seqs // spec.pool.num_shards))
+    static = {"dense_pages": batching.dense_pages(dense_tokens or max_len, spec.pool)}
+    calls = [ProgramCall("decode", programs.decode,
+                         abstract_decode_args(spec, params, shards * row_buckets[-1]), static)]
+    for width in sorted({min(w, max_len) for w in widths}):
+        rows = batching.bucket(max(1, min(max_extend_tokens // width, row_buckets[-1])), row_buckets)
+        calls.append(ProgramCall(f"extend_{width}", programs.extend,
+                                 abstract_extend_args(spec, params, shards * rows, width), static))
+    return calls

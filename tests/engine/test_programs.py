@@ -1,0 +1,37 @@
+"""The engine's device programs compiled ahead of time: no collective grows with the cache on 8
+fake CPU devices, and the Pallas path compiles for a TPU topology with the real compiler."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_checks(mesh: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "engine", "collective_checks.py"), mesh],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mesh", ["8,1,1", "1,8,1", "2,2,2", "1,2,4"])
+def test_no_collective_grows_with_the_cache(mesh):
+    """Decode and extend programs at a pool of 16K and 32K tokens and a gathered length of 256
+    and 512 positions: their collectives (weights gathered from the FSDP layout, activations,
+    loop flags) must be the very same list. Any access to the pool across devices would show
+    up as a collective whose shape follows the pool or the gathered length."""
+    found = run_checks(mesh)
+    by_program = {}
+    for key, ops in found.items():
+        by_program.setdefault(key.split()[0], []).append(ops)
+    assert sorted(by_program) == ["decode", "extend_32"]
+    for program, variants in by_program.items():
+        assert len(variants) == 3
+        assert variants[0] == variants[1] == variants[2], (program, variants)
+    if mesh == "1,8,1":  # the check sees collectives at all: FSDP weights are gathered
+        assert any(op.startswith("all-gather") for op in by_program["decode"][0])
