@@ -35,3 +35,22 @@ def test_no_collective_grows_with_the_cache(mesh):
         assert variants[0] == variants[1] == variants[2], (program, variants)
     if mesh == "1,8,1":  # the check sees collectives at all: FSDP weights are gathered
         assert any(op.startswith("all-gather") for op in by_program["decode"][0])
+
+
+def test_pallas_programs_compile_for_a_tpu_topology():
+    """The real TPU compiler (libtpu, no TPU needed) compiles decode and extend with the kernel
+    on v5p:2x2x1 (two page shards x tensor 2); temporaries and collectives do not follow the pool."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # other processes on this host may hold libtpu
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "engine", "tpu_compile_checks.py"), "v5p:2x2x1"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(found) == ["decode pool=131072", "decode pool=65536", "extend_256 pool=131072",
+                             "extend_256 pool=65536"]
+    for program in ("decode", "extend_256"):
+        small, big = found[f"{program} pool=65536"], found[f"{program} pool=131072"]
+        assert small["device_kind"].startswith("TPU v5") and small["kernel"] and big["kernel"]
+        assert big["argument_bytes"] > small["argument_bytes"]  # the pool is an argument...
+        assert big["temp_bytes"] == small["temp_bytes"]  # ...never copied
+        assert big["collectives"] == small["collectives"]
