@@ -16,17 +16,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from muajax import parallel
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.pages import PagedSeq, PageTables
 
 # The pure-JAX path gathers a power-of-two number of pages, at least this many tokens' worth:
 # fewer dense-length buckets (compilations) for a little more gathered data on short rows.
 MIN_DENSE_TOKENS = 256
-
-
-def num_shards(mesh) -> int:
-    return parallel.batch_divisor(mesh)
 
 
 def buckets(limit: int, minimum: int = 1) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax.engine import batching, kv_cache
-from muajax.engine.paged_attention import KernelBlocks
+from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
 from muajax.engine.programs import Programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
@@ -94,7 +94,7 @@ class Engine:
                  stop_ids: Iterable[int] = (IM_END_ID,), decode_chunk: int = 32,
                  extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_extend_tokens: int = 8192,
-                 attention: str = "auto", kernel_blocks: KernelBlocks = KernelBlocks()):
+                 attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS):
         if num_slots < 1 or max_len < 2 or decode_chunk < 1 or not extend_widths or min(extend_widths) < 1:
             raise ValueError(f"need num_slots >= 1, max_len >= 2, decode_chunk >= 1 and extend widths >= 1, got "
                              f"{num_slots}, {max_len}, {decode_chunk}, {tuple(extend_widths)}")

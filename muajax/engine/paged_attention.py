@@ -29,7 +29,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    ragged_paged_attention,
+)
 
 from muajax.engine import kv_cache
 from muajax.engine.kv_cache import PoolSpec
@@ -65,6 +67,9 @@ class KernelBlocks:
     def pages(self, page_size: int, pages_per_seq: int) -> int:
         wanted = self.kv_pages_per_block or max(1, 512 // page_size)
         return max(1, min(wanted, pages_per_seq))
+
+
+DEFAULT_BLOCKS = KernelBlocks()
 
 
 # ---------------------------------------------------------------------- pure JAX

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from muajax import parallel
 from muajax.engine import batching, kv_cache, paged_attention
 from muajax.engine.kv_cache import PoolSpec
-from muajax.engine.paged_attention import KernelBlocks
+from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.sampling import sample_tokens
 from muajax.models import qwen3
 from muajax.models.qwen3 import Qwen3, Qwen3Config, forward
@@ -38,7 +38,7 @@ class ProgramSpec:
     max_len: int
     decode_chunk: int
     attention: str  # "reference" or "pallas" (resolved)
-    blocks: KernelBlocks = KernelBlocks()
+    blocks: KernelBlocks = DEFAULT_BLOCKS
 
     @property
     def cfg(self) -> Qwen3Config:
@@ -47,7 +47,7 @@ class ProgramSpec:
 
 def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache_tokens: int | None = None,
                page_size: int | None = None, decode_chunk: int = 32, attention: str = "auto",
-               blocks: KernelBlocks = KernelBlocks()) -> ProgramSpec:
+               blocks: KernelBlocks = DEFAULT_BLOCKS) -> ProgramSpec:
     """The programs' static spec from the Engine's arguments (the Engine and planners both
     come through here). Defaults: a pool of max(num_slots, shards) * max_len tokens (room for
     every conversation at full length: no preemption), pages of 128 tokens for the Pallas
@@ -264,7 +264,7 @@ def abstract_params(cfg: Qwen3Config, mesh):
 
 def abstract_programs(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int | None = None,
                       max_seqs: int, max_len: int, widths=(32, 128, 512, 2048), decode_chunk: int = 16,
-                      max_extend_tokens: int = 8192, attention: str = "auto", blocks: KernelBlocks = KernelBlocks(),
+                      max_extend_tokens: int = 8192, attention: str = "auto", blocks: KernelBlocks = DEFAULT_BLOCKS,
                       dense_tokens: int | None = None, params=None) -> list[ProgramCall]:
     """The engine's decode program (every shard full: `max_seqs` conversations) and its extend
     program at each width (as many rows as `max_extend_tokens` allows), as an `Engine` with

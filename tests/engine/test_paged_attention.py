@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from jax._src import literals
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    ragged_paged_attention,
+)
 
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.engine.paged_attention import ragged_reference, resolve_attention
@@ -38,10 +40,11 @@ def ragged_case(seed, seqs, *, heads=8, kv_heads=2, page_size=8, pages=64, rows=
     kv_lens = [kv for _, kv in seqs] + [0] * (rows - len(seqs))
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tokens = tokens or int(cu[-1]) + 3  # padding queries past the last sequence
-    return dict(q=jnp.asarray(rng.randn(tokens, heads, 128), jnp.float32),
-                kv_pages=jnp.asarray(rng.randn(pages, page_size, 2 * kv_heads, 128), jnp.float32),
-                kv_lens=jnp.asarray(kv_lens, jnp.int32), page_indices=jnp.asarray(page_indices),
-                cu_q_lens=jnp.asarray(cu), num_seqs=jnp.asarray([len(seqs)], jnp.int32)), int(cu[len(seqs)])
+    args = {"q": jnp.asarray(rng.randn(tokens, heads, 128), jnp.float32),
+            "kv_pages": jnp.asarray(rng.randn(pages, page_size, 2 * kv_heads, 128), jnp.float32),
+            "kv_lens": jnp.asarray(kv_lens, jnp.int32), "page_indices": jnp.asarray(page_indices),
+            "cu_q_lens": jnp.asarray(cu), "num_seqs": jnp.asarray([len(seqs)], jnp.int32)}
+    return args, int(cu[len(seqs)])
 
 
 CASES = {

@@ -58,7 +58,8 @@ def run_conversations(engine, turns):
 def test_small_pool_preempts_and_completes_every_conversation_like_a_big_pool(model):
     params, cfg = model
     turns = prompts(21, (5, 9, 3, 12, 7))
-    common = dict(num_slots=5, max_len=96, stop_ids=(STOP,), decode_chunk=6, page_size=8, extend_widths=(8, 16))
+    common = {"num_slots": 5, "max_len": 96, "stop_ids": (STOP,), "decode_chunk": 6, "page_size": 8,
+              "extend_widths": (8, 16)}
     big = Engine(params, cfg, **common)
     want, want_caches = run_conversations(big, turns)
     assert big.stats["preemptions"] == 0
@@ -100,7 +101,7 @@ def test_shared_prefix_gives_the_same_tokens_and_logprobs(model):
     prefix = prompts(40, (21,))[0]  # 2 full pages of 8 shared, 5 tokens each conversation extends itself
     rests = prompts(41, (4, 9, 1))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16)
-    common = dict(num_slots=4, max_len=80, stop_ids=(STOP,), decode_chunk=5, page_size=8)
+    common = {"num_slots": 4, "max_len": 80, "stop_ids": (STOP,), "decode_chunk": 5, "page_size": 8}
 
     plain = Engine(params, cfg, **common)
     want = plain.generate([plain.open(prefix + r, seed=i) for i, r in enumerate(rests)], sampling)
