@@ -247,15 +247,15 @@ class Engine:
         """Make the sequence hold `tokens` tokens, preempting others if it must."""
         if seq.shard is None:
             self._place(seq)
-        if not self.pages.grow(seq, tokens):
+        ok = self.pages.grow(seq, tokens)
+        if not ok:
             for victim in self.pages.preempt_for(seq, tokens, self._victims(seq, idle_any)):
                 for prefix in self._prefixes:  # a dropped copy is no longer computed
                     prefix.copies = {s: c for s, c in prefix.copies.items() if c is not victim}
-            if not self.pages.grow(seq, tokens):
-                return False
+            ok = self.pages.grow(seq, tokens)
         self.stats["preemptions"] = self.pages.preemptions
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.pool.in_use)
-        return True
+        return ok
 
     # ------------------------------------------------------------------ generation
     def start(self, slot: int, sampling: SamplingParams) -> None:

@@ -133,3 +133,14 @@ def test_shared_prefix_gives_the_same_tokens_and_logprobs(model):
     shared.open(prefix + rests[1])
     shared.flush()
     assert shared.stats["prefix_prefill_tokens"] == 32 and shared.stats["prefix_hits"] == 5
+
+
+def test_bad_pool_settings_are_refused(model):
+    params, cfg = model
+    with pytest.raises(ValueError, match="fewer than one max_len"):
+        Engine(params, cfg, num_slots=2, max_len=64, page_size=8, kv_cache_tokens=40)
+    with pytest.raises(ValueError, match="head_dim % 128"):
+        Engine(params, cfg, num_slots=2, max_len=64, attention="pallas")
+    engine = Engine(params, cfg, num_slots=1, max_len=64, page_size=8)
+    with pytest.raises(ValueError, match="prefix needs"):
+        engine.register_prefix([])
