@@ -193,10 +193,11 @@ class Engine:
         self._drop_prefix_copies()
         self._prefixes = []
 
-    def _drop_prefix_copies(self, shard: int | None = None) -> None:
+    def _drop_prefix_copies(self) -> None:
         for prefix in self._prefixes:
-            for s in [s for s in prefix.copies if shard is None or s == shard]:
-                self.pages.drop(prefix.copies.pop(s))
+            for copy in prefix.copies.values():
+                self.pages.drop(copy)
+            prefix.copies = {}
 
     def _params_changed(self) -> bool:
         leaves = jax.tree.leaves(self.params)
@@ -216,8 +217,7 @@ class Engine:
         if prefix is None or not prefix.copies:
             self.pages.place(seq)
             return
-        shard = self.pages.place(seq, sorted(prefix.copies))
-        seq.shard = None
+        shard = self.pages.emptiest(sorted(prefix.copies))
         self.pages.adopt(seq, shard, prefix.copies[shard].pages, prefix.tokens[: prefix.full_tokens])
         self.stats["prefix_hits"] += 1
 

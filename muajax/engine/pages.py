@@ -92,12 +92,16 @@ class PageTables:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def place(self, seq: PagedSeq, candidates: Sequence[int] | None = None) -> int:
-        """Put a sequence without pages in the shard (of `candidates`) with the most free pages."""
+    def emptiest(self, candidates: Sequence[int] | None = None) -> int:
+        """The shard (of `candidates`) with the most free pages; the lowest index on ties."""
+        shards = range(self.pool.num_shards) if candidates is None else candidates
+        return max(shards, key=lambda s: (self.pool.free(s), -s))
+
+    def place(self, seq: PagedSeq) -> int:
+        """Put a sequence without pages in the shard with the most free pages."""
         if seq.pages:
             raise RuntimeError("a sequence holding pages cannot move to another shard")
-        shards = range(self.pool.num_shards) if candidates is None else candidates
-        seq.shard = max(shards, key=lambda s: (self.pool.free(s), -s))
+        seq.shard = self.emptiest()
         return seq.shard
 
     def shortfall(self, seq: PagedSeq, tokens: int) -> int:
