@@ -53,6 +53,9 @@ class GRPOConfig(Checked):
     ppo_epochs: int = bounded(1, ge=1)
     microbatch_size: int | None = bounded(None, ge=1)  # rows per gradient pass within one update
     logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once
+    # The KL reference model's weights: None = the params' own dtype; "bfloat16" halves its
+    # memory (its logprobs then round like a bfloat16 model's).
+    reference_dtype: Literal["float32", "bfloat16"] | None = None
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
