@@ -20,6 +20,11 @@ shared with other jobs torch's threads can stall each other (2 threads on 2 busy
 measured 10-25x slower than 1 thread), which would flatter muajax, so transformers is
 also timed with `--alt-threads` threads and the `*_vs_best_torch` ratios use the faster.
 
+Cost against max_len (`--max-len L`): the engine's pages make a step's cost follow the
+length in use, not the length a conversation may reach. The same prompts are then also
+decoded by a second engine at `--base-max-len` (512), interleaved with the first, and
+`maxlen_cost_ratio` is muajax's decode ms/step at L over that engine's.
+
 Runs alternate which side goes first each round (shared machine: drift hits all sides);
 figures are medians. The decode floor (`muajax.bench.decode_floor`: one step's matmuls
 alone, in torch and in XLA, and one read of every weight) bounds the ratio an engine
@@ -54,6 +59,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
     p.add_argument("--new", type=int, default=128, help="tokens generated per row")
     p.add_argument("--decode-chunk", type=int, default=32, help="Engine(decode_chunk=...)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="the engine's max_len (default prompt + new); also times an engine at --base-max-len")
+    p.add_argument("--base-max-len", type=int, default=512, help="the max_len --max-len is compared with")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -73,6 +81,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.prompt < 2 or args.new < 2:
         raise common.BenchError("--prompt and --new must be >= 2: the engine splits off the last prompt token, "
                                 "transformers' decode span runs from the first new token to the last")
+    if min(args.max_len or args.prompt + args.new, args.base_max_len) < args.prompt + args.new:
+        raise common.BenchError(f"--max-len and --base-max-len must hold --prompt + --new = {args.prompt + args.new}")
     return args
 
 
@@ -196,13 +206,17 @@ def run(argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="muajax-bench-generate-") as workdir:
         hf_model, params, cfg = build_models(args.quick, args.seed, workdir)
     prompts = rng.randint(0, cfg.vocab_size, size=(args.batch, args.prompt)).astype(np.int32)
-    engine = make_engine(params, cfg, args.batch, args.prompt + args.new, args.decode_chunk)
+    max_len = args.max_len or args.prompt + args.new
+    engine = make_engine(params, cfg, args.batch, max_len, args.decode_chunk)
     common.log(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
                f"{cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}; batch {args.batch}, prompt {args.prompt}, "
-               f"new {args.new}, decode_chunk {args.decode_chunk}")
+               f"new {args.new}, decode_chunk {args.decode_chunk}, max_len {max_len}")
 
     cold, mj_tokens = muajax_generate_once(engine, prompts, args.new)
     sides = {"muajax": lambda: muajax_generate_once(engine, prompts, args.new)}
+    if args.max_len is not None and args.max_len != args.base_max_len:
+        base_engine = make_engine(params, cfg, args.batch, args.base_max_len, args.decode_chunk)
+        sides["muajax_base"] = lambda: muajax_generate_once(base_engine, prompts, args.new)
     threads = {}
     if not args.no_hf:
         threads["transformers"] = args.threads
@@ -227,9 +241,17 @@ def run(argv: list[str]) -> dict:
     compile_s = max(cold["total_s"] - mj["total_s"], 0.0)
     mj["compile_s"] = round(compile_s, 3)
     result = {"config": {k: getattr(args, k) for k in ("batch", "prompt", "new", "decode_chunk", "repeat", "threads",
-                                                       "alt_threads", "quick")},
+                                                       "alt_threads", "quick")} | {"max_len": max_len},
               "muajax": mj}
-    common.log(_line("muajax", mj) + f"  (compile {compile_s:.2f}s, excluded)")
+    common.log(_line(f"muajax (max_len {max_len})", mj) + f"  (compile {compile_s:.2f}s, excluded)")
+    if "muajax_base" in figures:
+        base = result["muajax_base"] = figures["muajax_base"] | {"max_len": args.base_max_len}
+        result["maxlen_cost_ratio"] = common.ratio(mj["decode_ms_per_step"], base["decode_ms_per_step"])
+        # the same greedy tokens: max_len changes the page tables' width, not the numbers
+        result["maxlen_same_tokens"] = bool(np.array_equal(outputs["muajax_base"], mj_tokens))
+        common.log(_line(f"muajax (max_len {args.base_max_len})", base))
+        common.log(f"decode ms/step at max_len {max_len} / at {args.base_max_len}: x{result['maxlen_cost_ratio']:.3f}"
+                   f"  (same tokens: {result['maxlen_same_tokens']})")
     for name, n in threads.items():
         figures[name]["torch_threads"] = n
         result[name] = figures[name]

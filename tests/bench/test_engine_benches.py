@@ -65,3 +65,26 @@ def test_multiturn_quick():
                         rel_tol=1e-9)
     assert isinstance(result["same_conversation"], bool)
     assert "re-prefill" in stdout
+
+
+def test_generate_max_len_compares_with_a_short_max_len():
+    result, stdout = run_bench("generate", "--no-hf", "--max-len", "2048")
+    base = result["muajax_base"]
+    assert result["config"]["max_len"] == 2048 and base["max_len"] == 512
+    assert positive(base["decode_ms_per_step"]) and positive(result["muajax"]["decode_ms_per_step"])
+    assert math.isclose(result["maxlen_cost_ratio"],
+                        result["muajax"]["decode_ms_per_step"] / base["decode_ms_per_step"], rel_tol=1e-9)
+    assert result["maxlen_same_tokens"] is True  # max_len changes page-table widths, not the numbers
+    assert "max_len 2048" in stdout and "max_len 512" in stdout
+
+
+def test_rollout_quick_prefills_the_shared_system_prompt_once():
+    result, stdout = run_bench("rollout")
+    runs = sum(len(r) for r in result["runs"].values())
+    assert runs == 2 and result["same_conversations"] is True
+    shared = result["prefix_tokens"]
+    assert 0 < shared <= result["system_prompt_tokens"] < shared + 16  # full pages of 16 tokens
+    # one policy version for every run: the prefix is computed once, every conversation hits it
+    assert result["prefix_prefill_tokens"] == shared
+    assert result["prefix_hits"] == runs * result["conversations"]
+    assert positive(result["busy_share"]) and positive(result["baseline_busy_share"])
