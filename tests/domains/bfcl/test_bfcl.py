@@ -218,7 +218,9 @@ def test_gold_replay_through_the_rollout_conversation(base):
     """The same routing a real rollout uses: parsed <tool_call> texts go to the session,
     plain text to the BFCL user, and the finished trajectory is scored by BFCL."""
     from muajax.models.tokenizer import IM_END_ID, load_tokenizer
-    from muajax.agent.rollout import Conversation, RolloutConfig, execute_tool, tool_schemas
+    from muajax.agent.calls import execute_tool, tool_schemas
+    from muajax.agent.conversation import Conversation
+    from muajax.agent.rollout_config import RolloutConfig
 
     tok = load_tokenizer()
     for task_id in ("multi_turn_base_1", "multi_turn_base_7"):
