@@ -66,6 +66,7 @@ class _Driver:
 
     def _system(self, schemas: Sequence[dict[str, Any]], task: Task) -> list[int]:
         text = self.opts.system_text if self.opts.system_text is not None else self.env.policy_for(task)
+        text = text or None  # an empty policy: no system text, the tools block alone (BFCL's FC prompt)
         key = json.dumps([text, schemas], sort_keys=True, default=str)
         if key not in self._system_ids:
             self._system_ids[key] = system_prompt_ids(self.tok, text, schemas)

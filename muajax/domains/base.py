@@ -129,7 +129,8 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def policy(self) -> str:
-        """The written domain policy that goes into the agent's system prompt."""
+        """The written domain policy that goes into the agent's system prompt ("": none,
+        the system turn holds only the tools)."""
 
     def policy_for(self, task: Task) -> str:
         """The policy for one task (domains combined from several policies override this)."""
