@@ -16,33 +16,40 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
-from muajax.domains.base import Task
-from muajax.domains.tau2.environment import DOMAINS, Tau2Environment
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm (under tau2) would use the network
 
+from tau2.registry import registry  # noqa: E402
 
-def _gold_key(task: Task) -> str:
-    requestors = task.metadata.get("gold_action_requestors") or ("assistant",) * len(task.gold_actions)
-    return json.dumps([[who, call.name, call.arguments] for who, call in zip(requestors, task.gold_actions)],
-                      sort_keys=True)
+from muajax.domains.tau2.environment import DOMAINS  # noqa: E402
 
 
-def _db_case(task: Task) -> bool:
-    return "DB" in task.metadata.get("reward_basis", ()) and bool(task.gold_actions)
+def _gold_key(task) -> str:
+    actions = (task.evaluation_criteria.actions if task.evaluation_criteria else None) or []
+    return json.dumps([[a.requestor, a.name, a.arguments] for a in actions], sort_keys=True)
 
 
-def split_twins(env: Tau2Environment, *, train: str = "train", test: str = "test") -> dict[str, tuple[str, ...]]:
-    """{test task id: the train task ids with the same gold actions}, in test-split order."""
+def _db_case(task) -> bool:
+    criteria = task.evaluation_criteria
+    return criteria is not None and bool(criteria.actions) and "DB" in {b.value for b in criteria.reward_basis}
+
+
+def split_twins(domain: str, *, train: str = "train", test: str = "test") -> dict[str, tuple[str, ...]]:
+    """{test task id: the train task ids with the same gold actions}, in test-split order,
+    read from τ2's own task files (no database is loaded)."""
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown τ2 domain {domain!r}; expected one of {', '.join(DOMAINS)}")
+    splits = registry.get_task_splits_loader(domain)()
+    tasks = {task.id: task for task in registry.get_tasks_loader(domain)("base")}
     by_gold: dict[str, list[str]] = {}
-    for task in env.tasks(train):
-        by_gold.setdefault(_gold_key(task), []).append(task.task_id)
-    return {task.task_id: tuple(by_gold[_gold_key(task)]) for task in env.tasks(test)
-            if _db_case(task) and _gold_key(task) in by_gold}
+    for task_id in splits[train]:
+        by_gold.setdefault(_gold_key(tasks[task_id]), []).append(task_id)
+    return {task_id: tuple(by_gold[_gold_key(tasks[task_id])]) for task_id in splits[test]
+            if _db_case(tasks[task_id]) and _gold_key(tasks[task_id]) in by_gold}
 
 
 @functools.cache
 def twin_ids(domain: str) -> frozenset[str]:
     """The test task ids of `domain` that have a train twin (empty for non-τ2 domains)."""
-    if domain not in DOMAINS:
-        return frozenset()
-    return frozenset(split_twins(Tau2Environment(domain)))
+    return frozenset(split_twins(domain)) if domain in DOMAINS else frozenset()

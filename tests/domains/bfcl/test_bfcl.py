@@ -315,9 +315,10 @@ def test_eval_cli_on_bfcl(tmp_path, tmp_path_factory, capsys):
                  "--max-turns", "3", "--max-new-tokens", "32", "--max-context", "8192", "--out", str(out)])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
-    figures = json.loads(stdout.strip().splitlines()[-1])
-    assert (figures["domain"], figures["split"], figures["tasks"], figures["trials"]) == ("bfcl", "test", 2, 2)
-    assert figures["bfcl_category"] == "multi_turn_base"
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert (result["split"], result["trials"]) == ("test", 2)
+    figures = result["domains"]["bfcl"]
+    assert figures["tasks"] == 2 and figures["bfcl_category"] == "multi_turn_base"
     assert figures["pass^1"] == figures["pass^2"] == 0.0 and figures["terminations"] == {"max_turns": 4}
     assert figures["calls_per_tool"] == {"<unknown>": 3.0}
     report = json.loads(out.read_text())
@@ -338,3 +339,17 @@ def test_eval_cli_on_bfcl(tmp_path, tmp_path_factory, capsys):
     with pytest.raises(SystemExit):
         main(["--checkpoint", checkpoint, "--domain", "builtin", "--bfcl-category", "miss_func"])
     assert "applies only to --domain bfcl" in capsys.readouterr().err
+
+
+def test_gold_policy_on_bfcl_scores_one_but_the_unsolvable_task(tmp_path, capsys):
+    from muajax.eval import main
+
+    out = tmp_path / "gold.json"
+    assert main(["--policy", "gold", "--domain", "bfcl", "--bfcl-category", "miss_func", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert (summary["policy"], summary["domain"], summary["split"], summary["n"]) == ("gold", "bfcl", "test", 200)
+    assert summary["reward_mean"] == pytest.approx(199 / 200) and summary["histogram"] == {"1.0": 199, "0.0": 1}
+    assert summary["not_one"] == sorted(GOLD_UNSOLVABLE) and "reward 0.0: 1 tasks" in stdout
+    tasks = json.loads(out.read_text())["tasks"]
+    assert len(tasks) == 200 and all(t["calls"] > 0 for t in tasks)
