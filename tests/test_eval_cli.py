@@ -124,8 +124,11 @@ def _run(argv, capsys):
     return json.loads(stdout.strip().splitlines()[-1]), stdout
 
 
-def test_muajax_protocol_reports_each_tau2_domain_and_the_twin_free_score(tmp_path, tmp_path_factory, capsys):
+def test_muajax_protocol_reports_each_tau2_domain_and_the_twin_free_score(tmp_path, tmp_path_factory, capsys,
+                                                                           monkeypatch):
     from tests.serving.test_serve import chain_model
+
+    monkeypatch.chdir(tmp_path)  # the second run writes its report to the default place
 
     checkpoint = chain_model(tmp_path_factory)  # greedy, it answers every turn with a `calculate` call
     user = ["--user-model", "never-asked", "--user-base-url", "http://127.0.0.1:9/v1"]
@@ -144,6 +147,7 @@ def test_muajax_protocol_reports_each_tau2_domain_and_the_twin_free_score(tmp_pa
         assert rollout["details"]["unfinished"] == "max_turns"
 
     result, stdout = _run([*common, "--domain", "airline", "--task-ids", "26", "16"], capsys)
+    assert (tmp_path / "eval-airline-test.json").is_file()
     figures = result["domains"]["airline"]
     assert figures["tasks"] == 2 and figures["dedup"]["removed"] == ["16"] and figures["dedup"]["tasks"] == 1
     assert "without the split twins (16)" in stdout
