@@ -19,6 +19,7 @@ from tests.serving.test_serve import chain_model
 from tests.support.openai_server import ScriptedOpenAIServer
 
 OPENING = "Hi, I need help with my reservation."
+SECRET = "sk-test-not-a-real-key-7f3a"
 STOPPER = "Amelia Sanchez"  # airline 26's user: she stops at once, and her task needs no change
 
 
@@ -35,13 +36,14 @@ def test_tau2_protocol_on_airline_tasks_with_an_http_user(tmp_path_factory, tmp_
         config.write_text(yaml.safe_dump({
             "env": {"domains": ["retail", "airline"]},
             "user": {"kind": "openai", "model": "train-user", "base_url": "http://127.0.0.1:9/v1"},
-            "eval": {"user": {"kind": "openai", "model": "eval-user", "base_url": user.url, "api_key_env": None}}}))
+            "eval": {"user": {"kind": "openai", "model": "eval-user", "base_url": user.url,
+                              "api_key_env": "MUAJAX_TEST_USER_KEY"}}}))
         # airline 26 changes nothing (her stop scores 1); 16 must change a flight, and is a split twin
         command = [sys.executable, "-m", "muajax.eval", "--protocol", "tau2", "--checkpoint", checkpoint,
                    "--domain", "airline", "--task-ids", "26", "16", "--trials", "2", "--config", str(config),
                    "--max-context", "8192", "--max-new-tokens", "64", "--max-steps", "6", "--slots", "2",
                    "--out", str(tmp_path / "airline.json")]
-        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu")
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu", MUAJAX_TEST_USER_KEY=SECRET)
         proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                               stdin=subprocess.DEVNULL, check=False)
         stdout = proc.stdout
@@ -57,7 +59,10 @@ def test_tau2_protocol_on_airline_tasks_with_an_http_user(tmp_path_factory, tmp_
     assert "without the split twins (16)" in stdout
     # the config's evaluation user answered (once per simulation), not its training user
     assert len(requests) == 4 and {r.body["model"] for r in requests} == {"eval-user"}
-    saved = json.loads((tmp_path / "airline.json").read_text())
+    assert {r.headers["authorization"] for r in requests} == {f"Bearer {SECRET}"}  # its key, from its variable
+    text = (tmp_path / "airline.json").read_text()
+    assert SECRET not in text and SECRET not in stdout  # τ2 records its LLM arguments: the key is removed
+    saved = json.loads(text)
     assert saved["figures"]["pass^1"] == 0.5
     for simulation in saved["results"]["simulations"]:
         messages = simulation["messages"]
@@ -71,8 +76,8 @@ def test_tau2_protocol_on_airline_tasks_with_an_http_user(tmp_path_factory, tmp_
             assert simulation["termination_reason"] == "user_stop" and simulation["reward_info"]["reward"] == 1.0
 
 
-def test_the_user_tau2_plays_and_keys_stay_out_of_the_results(monkeypatch):
-    from muajax.serving.tau2_protocol import Tau2ProtocolRequest, user_llm
+def test_the_user_tau2_plays(monkeypatch):
+    from muajax.serving.tau2_protocol import user_llm
 
     monkeypatch.setenv("MY_USER_KEY", "sk-test-secret")
     model, args = user_llm(UserConfig(kind="openai", model="gpt-4.1", api_key_env="MY_USER_KEY"))
@@ -83,7 +88,6 @@ def test_the_user_tau2_plays_and_keys_stay_out_of_the_results(monkeypatch):
 
     with pytest.raises(ConfigError, match="OpenAI-compatible user"):
         user_llm(UserConfig())
-    assert os.environ["MY_USER_KEY"] not in json.dumps(Tau2ProtocolRequest(checkpoint="x", domains=("retail",)).user)
 
 
 def test_tau2_protocol_refuses_what_it_cannot_run(tmp_path, capsys):
