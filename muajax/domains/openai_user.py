@@ -68,6 +68,27 @@ def _is_local(base_url: str) -> bool:
     return host in _LOCAL_HOSTS or host.startswith("127.")
 
 
+# httpx logs every request's full URL at INFO, userinfo included; the OpenAI client logs
+# requests at DEBUG. Their records pass through a filter that hides credentials.
+_HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "openai._base_client")
+
+
+class _RedactCredentials(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def _redact_http_logs() -> None:
+    for name in _HTTP_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactCredentials) for f in logger.filters):
+            logger.addFilter(_RedactCredentials())
+
+
 class MissingApiKeyError(ValueError):
     """A remote endpoint and no key in the environment variable that should hold it."""
 
@@ -124,6 +145,7 @@ class OpenAIUserSimulator(UserSimulator):
         if max_user_tool_steps < 0:
             raise ValueError(f"max_user_tool_steps must be >= 0, got {max_user_tool_steps}")
 
+        _redact_http_logs()
         api_key = os.environ.get(api_key_env, "")
         if not api_key:
             if not _is_local(base_url):
