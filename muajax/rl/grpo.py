@@ -56,6 +56,10 @@ class GRPOConfig(Checked):
     # The KL reference model's weights: None = the params' own dtype; "bfloat16" halves its
     # memory (its logprobs then round like a bfloat16 model's).
     reference_dtype: Literal["float32", "bfloat16"] | None = None
+    # More than this many steps in a row with a non-finite loss or gradient (each such
+    # update is dropped) stops the run after a checkpoint: the cause (a learning rate, a
+    # poisoned batch, params gone NaN) will not fix itself. null: never stop.
+    max_consecutive_skips: int | None = bounded(3, ge=0)
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
