@@ -25,6 +25,11 @@ length in use, not the length a conversation may reach. The same prompts are the
 decoded by a second engine at `--base-max-len` (512), interleaved with the first, and
 `maxlen_cost_ratio` is muajax's decode ms/step at L over that engine's.
 
+tunix (`--tunix-python PY`, an interpreter whose environment has google-tunix): its
+`Sampler` decodes the same prompts greedily from the same checkpoint in a subprocess
+(`tunix_side.py`, which says how its ms/step is measured); `tunix_decode_ms_ratio` is
+muajax's decode ms/step over tunix's (below 1: muajax is faster).
+
 Runs alternate which side goes first each round (shared machine: drift hits all sides);
 figures are medians. The decode floor (`muajax.bench.decode_floor`: one step's matmuls
 alone, in torch and in XLA, and one read of every weight) bounds the ratio an engine
@@ -35,7 +40,9 @@ run is timed separately and `compile_s` is its excess over the warm median.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +78,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "machine torch's all-core run can be many times slower than a 1-thread one, "
                         "which would flatter the ratio; the *_vs_best_torch figures use the faster one")
     p.add_argument("--no-hf", action="store_true", help="time muajax only (profiling)")
+    p.add_argument("--tunix-python", default=os.environ.get("MUAJAX_TUNIX_PYTHON"),
+                   help="a python with google-tunix: also time tunix's Sampler (default $MUAJAX_TUNIX_PYTHON)")
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
     args = p.parse_args(argv)
     if args.quick:
@@ -175,6 +184,24 @@ def muajax_generate_once(engine, prompts: np.ndarray, new: int) -> tuple[dict, n
             "decode_tokens": b * new, "tokens": b * new}, tokens
 
 
+def tunix_generate(python: str, hf_model, prompts: np.ndarray, new: int, repeat: int) -> dict:
+    """tunix_side.py's figures for the same checkpoint and prompts, run by `python`."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_side.py")
+    with tempfile.TemporaryDirectory(prefix="muajax-bench-tunix-") as workdir:
+        hf_model.save_pretrained(workdir)
+        np.save(os.path.join(workdir, "prompts.npy"), prompts)
+        command = [python, script, "--hf-dir", workdir, "--prompts", os.path.join(workdir, "prompts.npy"),
+                   "--new", str(new), "--short", str(max(1, new // 8)), "--repeat", str(max(repeat, 3))]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise common.BenchError(f"the tunix side did not run: {exc}") from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise common.BenchError(f"the tunix side failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> float:
     """Mean length of the agreeing prefix per row: a check that both sides ran the same model."""
     lengths = []
@@ -275,6 +302,15 @@ def run(argv: list[str]) -> dict:
         result["floor"] = decode_floor.measure(hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
                                                torch_threads=threads.values(), repeat=max(5, 5 * args.repeat))
         setup_threads(args.threads)
+    if args.tunix_python:
+        tx = tunix_generate(args.tunix_python, hf_model, prompts, args.new, args.repeat)
+        tx_tokens = np.asarray(tx.pop("tokens"))
+        result["tunix"] = tx
+        result["tunix_decode_ms_ratio"] = common.ratio(mj["decode_ms_per_step"], tx["decode_ms_per_step"])
+        result["tunix_greedy_agree_prefix"] = common_prefix(mj_tokens, tx_tokens)
+        common.log(f"tunix {tx['version']} Sampler: decode {tx['decode_ms_per_step']:.2f} ms/step; muajax / tunix "
+                   f"x{result['tunix_decode_ms_ratio']:.3f} (below 1: muajax faster); greedy tokens agree for the first "
+                   f"{result['tunix_greedy_agree_prefix']:.1f}/{args.new}")
     result["machine"] = common.machine_info()
     return result
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -89,3 +91,17 @@ def test_rollout_quick_prefills_the_shared_system_prompt_once():
     assert result["prefix_prefill_tokens"] == shared
     assert result["prefix_hits"] == runs * result["conversations"]
     assert positive(result["busy_share"]) and positive(result["baseline_busy_share"])
+
+
+def test_generate_against_tunix_when_an_interpreter_with_it_is_given():
+    """tunix lives in its own environment (its jax pins differ); MUAJAX_TUNIX_PYTHON names it."""
+    python = os.environ.get("MUAJAX_TUNIX_PYTHON")
+    if not python:
+        pytest.skip("MUAJAX_TUNIX_PYTHON is not set (a python with google-tunix)")
+    result, stdout = run_bench("generate", "--no-hf", "--tunix-python", python)
+    assert result["tunix"]["available"] is True and result["tunix"]["version"]
+    # the same checkpoint, greedy, float32: tunix's Sampler picks the very same tokens
+    assert result["tunix_greedy_agree_prefix"] == result["config"]["new"]
+    assert math.isclose(result["tunix_decode_ms_ratio"],
+                        result["muajax"]["decode_ms_per_step"] / result["tunix"]["decode_ms_per_step"], rel_tol=1e-9)
+    assert "tunix" in stdout and "tokens" not in result["tunix"]
