@@ -294,7 +294,7 @@ class TrainConfig:
 
 # Paths a config file may give as "./x": resolved against that file (a checkpoint shipped
 # beside it), where plain relative paths mean the working directory.
-FILE_RELATIVE_KEYS = ("model.hf_dir",)
+FILE_RELATIVE_KEYS = ("model.hf_dir", "sft.data", "env.mcp.scenarios")
 
 
 def load_config(path: str | os.PathLike | None = None,

@@ -198,6 +198,12 @@ def test_dot_relative_checkpoint_paths_follow_their_file(tmp_path, monkeypatch):
     assert load_config(plain).model.hf_dir == "checkpoints/Qwen3-8B"  # plain relative: the working directory
     # on the command line "./" keeps meaning the working directory
     assert load_config(child, ["model.hf_dir=./other"]).model.hf_dir == "./other"
+    # the SFT data and MCP scenario files shipped beside a config follow it too
+    data = write(tmp_path / "sub" / "data.yaml", "sft: {data: ./sft.jsonl}\nenv:\n  domain: mcp\n"
+                 "  mcp: {scenarios: [./a.yaml, b.yaml, ../c.yaml]}\n")
+    cfg = load_config(data)
+    assert cfg.sft.data == str(tmp_path / "sub" / "sft.jsonl")
+    assert cfg.env.mcp.scenarios == (str(tmp_path / "sub" / "a.yaml"), "b.yaml", str(tmp_path / "c.yaml"))
 
 
 def test_base_errors(tmp_path):
