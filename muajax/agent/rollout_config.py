@@ -19,6 +19,9 @@ class RolloutConfig(Checked):
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
     end_on_malformed_call: bool = False  # the released code ends; an error observation is friendlier
+    # Rollouts whose user or setup failed (user_error, setup_error) are left out of the update;
+    # when more than this share of a step's rollouts failed, training stops (after saving).
+    max_failed_share: float = bounded(0.5, ge=0, le=1)
     num_slots: int | None = bounded(None, ge=1)  # concurrent KV slots; None = all rollouts of a step
     # τ-bench's check that required facts were told to the user, in the reward: off in
     # training, as MUA-RL ran it (evaluation turns it on with `eval.communicate_info`).

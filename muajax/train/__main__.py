@@ -3,7 +3,8 @@
 With no arguments it runs the embedded CPU default (configs/embedded-cpu.yaml): a tiny
 Qwen3-architecture model on the built-in shop domain with the scripted user, offline.
 It prints held-out success and the confirm-before-write rate after SFT and after GRPO,
-and ends with one JSON line of its figures.
+and ends with one JSON line of its figures. Exit codes: 2 for a config error, 3 when too
+many of a step's rollouts failed (`rollout.max_failed_share`; the run can be resumed).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from muajax.config.loader import dump_yaml
 from muajax.config.schema import ConfigError, load_config
 from muajax.domains.registry import DomainConfigError
 from muajax.train.distributed import maybe_initialize_distributed
+from muajax.train.grpo import FailedRolloutsError
 from muajax.train.trainer import Trainer
 
 EMBEDDED_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -51,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DomainConfigError) as exc:  # what only the files can tell: a checkpoint that does not fit the run
         print(f"muajax.train: config error: {exc}", file=sys.stderr)
         return 2
-    summary = trainer.run()
+    try:
+        summary = trainer.run()
+    except FailedRolloutsError as exc:  # an endpoint or environment down, not a bug: no traceback
+        print(f"muajax.train: error: {exc}", file=sys.stderr, flush=True)
+        return 3
     if jax.process_index() == 0:
         print(json.dumps(summary, default=_jsonable), flush=True)
     return 0

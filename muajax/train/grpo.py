@@ -25,11 +25,35 @@ from muajax.rl.advantages import group_advantages
 from muajax.rl.grpo import make_grpo_step
 from muajax.rl.optim import optimizer_from_config
 from muajax.train import distributed
-from muajax.train.batching import (ROLLOUT_LENGTH_MULTIPLE, batch_divisor, common_prefix, mask_uniform_groups,
-                                   minibatches, pad_to_multiple)
+from muajax.train.batching import (ROLLOUT_LENGTH_MULTIPLE, batch_divisor, common_prefix, mask_failed,
+                                   mask_uniform_groups, minibatches, pad_to_multiple)
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
+
+
+class FailedRolloutsError(RuntimeError):
+    """More than `rollout.max_failed_share` of a step's rollouts failed (user or setup errors):
+    the step was not applied, and the state before it is saved for `--resume`."""
+
+
+def stop_on_failures(ctx: RunContext, ckpt, index: int, state, trajectories, position: int) -> None:
+    """Raise `FailedRolloutsError` when too many of the step's rollouts failed, after saving
+    the state the step started from as checkpoint `index` (task stream at `position`), so
+    that a resumed run redoes this very step."""
+    r = ctx.cfg.rollout
+    failed = [t for t in trajectories if t.failed]
+    if len(failed) <= r.max_failed_share * len(trajectories):
+        return
+    if index not in ckpt.steps():
+        ckpt.save(index, state, config=config_to_dict(ctx.cfg), force=True, data_position=position)
+    kinds = sorted({t.termination for t in failed})
+    first_error = str(failed[0].error).rstrip(".")
+    raise FailedRolloutsError(
+        f"GRPO step {index + 1}: {len(failed)} of {len(trajectories)} rollouts failed ({', '.join(kinds)}), more "
+        f"than rollout.max_failed_share={r.max_failed_share:g}; the first error: {first_error}. The step was "
+        f"not applied; the state before it is checkpoint {index} in {ckpt.directory}: once the user endpoint or "
+        f"environment works again, continue with --resume.")
 
 
 class TaskStream:
@@ -136,12 +160,16 @@ def run_grpo(ctx: RunContext, params):
         device_before = engine.stats["device_s"]
         # multi-host: this process rolls out its contiguous share of the step's tasks (one
         # process: all of them) under their global indices, so seeds and group ids are the step's
+        position = stream.position
         first, chosen = distributed.task_share(stream.take(r.tasks_per_step))
         trajectories = run_rollouts_sync(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
                                          seed=step_seed(cfg.run.seed, index), first_task_index=first)
         t_rollout = time.time() - t0
+        everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
+        stop_on_failures(ctx, ckpt, index, state, everyone, position)
         batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, multiple=ROLLOUT_LENGTH_MULTIPLE,
                                           first_group=first)
+        batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
         if common_prefix(batch["tokens"]) < prefix:
             raise RuntimeError(f"rollouts no longer share the {prefix}-token system prompt")
         if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
@@ -149,7 +177,7 @@ def run_grpo(ctx: RunContext, params):
         t1 = time.time()
         state, metrics = _update(ctx, step_fn, state, batch, reference, divisor)
         t_update = time.time() - t1
-        trajectories = distributed.gather_for_metrics(trajectories)  # multi-host: metrics of the whole step
+        trajectories = everyone
         sampled = int(sum(t.num_sampled for t in trajectories))
         record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
                   "time/rollout_s": t_rollout, "time/update_s": t_update,
@@ -164,6 +192,8 @@ def run_grpo(ctx: RunContext, params):
                                             "tokens_per_s": rec["throughput/sampled_tokens_per_s"]},
                           line=lambda i, rec: f"[grpo] step {i}/{steps}: reward {rec.get('reward', 0.0):.3f}, "
                                               f"kl {rec.get('kl', 0.0):.4f}, rollout {rec['time/rollout_s']:.1f}s, "
-                                              f"update {rec['time/update_s']:.1f}s"),
+                                              f"update {rec['time/update_s']:.1f}s"
+                                              + (f", {rec['failed_rollouts']:g} failed rollouts"
+                                                 if rec.get("failed_rollouts") else "")),
              CheckpointHook(ckpt, steps, config=config_to_dict(cfg), extra=lambda i: {"data_position": stream.position})]
     return run_steps(state, start, steps, step, hooks).params
