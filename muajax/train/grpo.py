@@ -22,7 +22,7 @@ from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.config.fields import config_to_dict
 from muajax.rl.advantages import group_advantages
-from muajax.rl.grpo import make_grpo_step
+from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
 from muajax.train import distributed
 from muajax.train.batching import (ROLLOUT_LENGTH_MULTIPLE, batch_divisor, common_prefix, mask_failed,
@@ -112,19 +112,22 @@ def _place(ctx: RunContext, batch: dict, divisor: int) -> dict:
     return pad_to_multiple(batch, divisor, ctx.pad_id)
 
 
-def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int):
+def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int, old_logprobs_fn=None):
     """The step's optimizer update(s); returns the state and the mean of their metrics, with
-    `updates`, their number."""
+    `updates`, their number. `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs)
+    replaces every mini-batch's old logprobs before the first update."""
     g = ctx.cfg.grpo
     if g.minibatch_size is None:  # the paper's: one update on the whole batch
         placed = _place(ctx, batch, divisor)
         state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
         return state, {**{k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}, "updates": 1.0}
     local_size = g.minibatch_size // jax.process_count()
+    parts = [_place(ctx, part, divisor) for part in minibatches(with_advantages(batch, g), local_size)]
+    if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
+        parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
     records = []
     for _ in range(g.ppo_epochs):
-        for part in minibatches(with_advantages(batch, g), local_size):
-            placed = _place(ctx, part, divisor)
+        for placed in parts:
             state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
             records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
     return state, {**{k: float(np.mean([r[k] for r in records])) for k in records[0]}, "updates": float(len(records))}
@@ -141,6 +144,10 @@ def run_grpo(ctx: RunContext, params):
     optimizer = optimizer_from_config(g, total_steps=steps * g.updates_per_step(batch_size))
     step_fn = make_grpo_step(ctx.model_cfg, optimizer, ctx.mesh, grpo=g, temperature=max(r.temperature, 1e-6),
                              num_groups=r.tasks_per_step, shared_prefix=prefix, microbatches=micro)
+    old_logprobs_fn = None
+    if g.recompute_old_logprobs and g.minibatch_size is not None:  # one update per step: the loss does it
+        old_logprobs_fn = make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g, temperature=max(r.temperature, 1e-6),
+                                               shared_prefix=prefix, microbatches=micro)
     reference = jax.device_put(params, step_fn.param_shardings) if g.uses_reference else None
     state = step_fn.init_state(params)
     stream = TaskStream(tasks, cfg.run.seed)
@@ -175,7 +182,7 @@ def run_grpo(ctx: RunContext, params):
         if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
             batch = mask_uniform_groups(batch)
         t1 = time.time()
-        state, metrics = _update(ctx, step_fn, state, batch, reference, divisor)
+        state, metrics = _update(ctx, step_fn, state, batch, reference, divisor, old_logprobs_fn)
         t_update = time.time() - t1
         trajectories = everyone
         sampled = int(sum(t.num_sampled for t in trajectories))

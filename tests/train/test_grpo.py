@@ -70,3 +70,12 @@ def test_ppo_epochs_need_a_mini_batch_size_that_divides_the_batch():
         load_config(None, ["grpo.ppo_epochs=2"])
     with pytest.raises(ConfigError, match="'grpo.minibatch_size' \\(3\\) must divide the rollout batch"):
         load_config(None, ["grpo.minibatch_size=3", "rollout.n_per_task=2", "rollout.tasks_per_step=2"])
+
+
+def test_recomputed_old_logprobs_in_the_grpo_stage(tmp_path):
+    # one update per step: the update's own forward gives the old logprobs, ratio exactly 1
+    _, _, record = one_step(tmp_path, "recompute", "grpo.recompute_old_logprobs=true")
+    assert record["ratio_mean"] == 1.0 and record["ppo_kl"] == 0.0 and record["clip_frac"] == 0.0
+    # mini-batches: one forward before the first update (here one mini-batch of the whole batch)
+    _, _, record = one_step(tmp_path, "recompute-mini", "grpo.recompute_old_logprobs=true", "grpo.minibatch_size=4")
+    assert record["updates"] == 1 and abs(record["ratio_mean"] - 1.0) < 1e-5 and abs(record["ppo_kl"]) < 1e-5
