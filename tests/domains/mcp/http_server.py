@@ -39,7 +39,8 @@ class NotesHttpServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                     lifespan="on", timeout_graceful_shutdown=1))
+                                                     lifespan="on", timeout_graceful_shutdown=1,
+                                                     log_config=None))  # see tests/support/openai_server.py
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"mcp-http-{self.port}", daemon=True)
 
