@@ -151,6 +151,8 @@ class EnvConfig:
                            "multi_turn_long_context"] = "multi_turn_base"
     train_split: str = "train"
     eval_split: str = "test"
+    # At most this many train tasks from each domain (the first of its train split): smoke runs.
+    max_train_tasks: int | None = bounded(None, ge=1)
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
 
     def validate(self) -> None:

@@ -136,7 +136,7 @@ def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: in
 def run_grpo(ctx: RunContext, params):
     """GRPO from `params` (also the KL reference); returns the trained params."""
     cfg, r, g = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo
-    tasks = ctx.domain.env.tasks(cfg.env.train_split)
+    tasks = ctx.train_tasks()
     steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
     batch_size = r.n_per_task * r.tasks_per_step
     micro = (g.minibatch_size or batch_size) // g.microbatch_size if g.microbatch_size else 1
