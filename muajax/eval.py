@@ -1,4 +1,4 @@
-"""`python -m muajax.eval --checkpoint DIR --domain retail|airline|telecom|builtin|bfcl [options]`.
+"""`python -m muajax.eval --checkpoint DIR --domain retail|airline|telecom|builtin|bfcl|mcp [options]`.
 
 Runs the policy in DIR (a muajax run/checkpoint directory or a Hugging Face directory) on
 every task of a split, `--trials` times each, with a simulated user in the loop, through
@@ -13,6 +13,8 @@ conversation to --out; the last line is one JSON object of the figures.
 The user: `scripted` (built-in domain only, offline) or `openai` (any OpenAI-compatible
 endpoint: --user-model, --user-base-url; the key is read from the environment variable
 named by --user-api-key-env and never printed).
+
+`--domain mcp` evaluates on the MCP servers and scenarios of the run's config (`env.mcp`).
 
 BFCL-v3 multi-turn (`--domain bfcl`, needs the optional nvidia-bfcl install, see the
 README): `--bfcl-category` base (default), miss_func, miss_param or long_context; the
@@ -33,7 +35,7 @@ from muajax.domains.registry import DomainConfigError
 from muajax.train.evaluate import EvalRequest, evaluate_checkpoint
 from muajax.train.policy_loading import PolicyLoadError
 
-DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl")
+DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl", "mcp")  # mcp: the run config's env.mcp
 BFCL_CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 SCRIPTED_DOMAINS = ("builtin", "bfcl")  # domains whose user needs no model
 

@@ -54,6 +54,9 @@ def domain_configs(request: EvalRequest, policy: Policy) -> tuple[EnvConfig, Use
     """The env and user sections that build the domain: the run's own env settings when it
     trained on this domain (its prompt format, e.g. terse tools), else defaults."""
     base = policy.config
+    if request.domain == "mcp" and (base is None or base.env.domain != "mcp"):
+        raise ValueError("--domain mcp evaluates the MCP servers and scenarios of the run's config (env.mcp); "
+                         f"{request.checkpoint} was not trained on env.domain=mcp")
     env = base.env if base is not None and base.env.domain == request.domain else EnvConfig(domain=request.domain)
     if request.domain == "bfcl":
         env = dataclasses.replace(env, bfcl_category=request.bfcl_category)

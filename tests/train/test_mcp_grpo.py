@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from muajax import eval as eval_command
 from muajax.config.schema import load_config
 from muajax.train.trainer import Trainer
 from tests.domains.mcp.test_mcp import _processes_with
@@ -79,6 +80,12 @@ def test_two_grpo_steps_on_a_stdio_mcp_server_from_a_config(tmp_path, monkeypatc
         cfg = load_config(tmp_path / "run.yaml")
         assert cfg.env.mcp.scenarios == (str(tmp_path / "counter.yaml"),)
         summary = Trainer(cfg).run()
+        # the evaluation command builds the same domain from the run's config
+        assert eval_command.main(["--checkpoint", cfg.run_dir, "--domain", "mcp", "--max-tasks", "1", "--trials", "1",
+                                  "--user-model", "user", "--user-base-url", user.url,
+                                  "--out", str(tmp_path / "eval.json")]) == 0
+        evaluated = json.load(open(tmp_path / "eval.json"))
+        assert evaluated["summary"]["tasks"] == 1 and evaluated["tasks"][0]["task_id"] == "add-5"
         asked = len(user.chat_requests)
     records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     assert len(records) == 2
