@@ -59,4 +59,6 @@ def test_synth_sft_grpo_and_eval_on_tau2(tmp_path):
         evaluation = last_json(command("muajax.eval", "--checkpoint", run_dir, "--domain", "retail", "--max-tasks",
                                        "2", "--trials", "1", "--user-model", "M", "--user-base-url", server.url,
                                        "--out", str(tmp_path / "eval.json")))
-    assert evaluation["tasks"] == 2 and evaluation["failed_rollouts"] == 0 and 0.0 <= evaluation["pass^1"] <= 1.0
+    retail = evaluation["domains"]["retail"]
+    assert evaluation["protocol"] == "muajax" and retail["tasks"] == 2 and retail["failed_rollouts"] == 0
+    assert 0.0 <= retail["pass^1"] <= 1.0

@@ -153,6 +153,9 @@ class EnvConfig:
     eval_split: str = "test"
     # At most this many train tasks from each domain (the first of its train split): smoke runs.
     max_train_tasks: int | None = bounded(None, ge=1)
+    # τ2's agent tools: "muajax" adds MUA-RL's general think (and calculate where τ2 lacks
+    # it); "tau2" is exactly the list τ2's own agent gets (python -m muajax.eval uses it).
+    tau2_tools: Literal["muajax", "tau2"] = "muajax"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
 
     def validate(self) -> None:
@@ -247,6 +250,10 @@ class EvalConfig:
     temperature: float = bounded(0.0, ge=0)
     communicate_info: bool = True  # τ-bench's output check: dropped in training, kept here
     max_tasks: int | None = bounded(None, ge=1)  # evaluate on the first N tasks of the split
+    # The simulated user of evaluations (the trainer's and `python -m muajax.eval` on this
+    # run); null: the training user. MUA-RL trained against gpt-4o-2024-11-20 and evaluated
+    # with GPT-4.1: a gap that tests transfer beyond the training simulator.
+    user: UserConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +277,11 @@ class TrainConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def eval_user(self) -> UserConfig:
+        """The user evaluations talk to: `eval.user`, else the training user."""
+        return self.eval.user if self.eval.user is not None else self.user
 
     def validate(self) -> None:
         r, arch, mb = self.rollout, self.model.arch, self.grpo.microbatch_size

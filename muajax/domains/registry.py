@@ -29,9 +29,10 @@ def make_environment(env_cfg) -> Environment:
         from muajax.domains.combined import CombinedEnvironment
         from muajax.domains.tau2.environment import Tau2Environment
 
+        tools = env_cfg.tau2_tools
         if env_cfg.domains:  # trained together: one task list, each task with its domain's policy
-            return CombinedEnvironment([Tau2Environment(d) for d in env_cfg.domains])
-        return Tau2Environment(domain)
+            return CombinedEnvironment([Tau2Environment(d, tools=tools) for d in env_cfg.domains])
+        return Tau2Environment(domain, tools=tools)
     if domain == "builtin":
         from muajax.domains.builtin import BuiltinEnvironment
 

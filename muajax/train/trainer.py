@@ -40,7 +40,7 @@ def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
     """Held-out evaluation of `params`; writes `eval_<label>.json` and prints its line."""
     e = ctx.cfg.eval
     t0 = time.time()
-    summary, trajectories = evaluate_policy(ctx.engine(params), ctx.tok, ctx.domain, ctx.eval_tasks(),
+    summary, trajectories = evaluate_policy(ctx.engine(params), ctx.tok, ctx.eval_domain(), ctx.eval_tasks(),
                                             trials=ctx.eval_trials(), temperature=e.temperature,
                                             options=ctx.cfg.rollout, seed=ctx.cfg.run.seed + EVAL_SEED_OFFSET,
                                             communicate_info=e.communicate_info)
@@ -53,6 +53,9 @@ def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
         print(f"[{label}] held-out success {summary['success']:.3f} on {summary['tasks']} tasks, "
               f"confirm-before-write {'n/a' if rate is None else f'{rate:.3f}'}, "
               f"turns {summary['turns']:.1f} ({summary['wall_s']:.0f}s)", flush=True)
+        for domain, part in summary.get("by_domain", {}).items():
+            print(f"[{label}]   {domain}: success {part['success']:.3f} on {part['tasks']} tasks, "
+                  f"pass^1 {part['pass^1']:.3f}", flush=True)
     return summary
 
 
