@@ -49,7 +49,8 @@ def test_failed_rollouts_leave_the_update_and_their_group_statistics():
     batch = mask_failed(collate(trajs), failed)
     assert (batch["loss_mask"][failed] == 0).all()
     np.testing.assert_array_equal(batch["loss_mask"][~failed], collate(trajs)["loss_mask"][~failed])
-    assert (batch["group_ids"][failed] == PAD_GROUP).all() and batch["group_ids"][~failed].tolist() == [0, 0, 0, 1, 1, 2]
+    assert (batch["group_ids"][failed] == PAD_GROUP).all()
+    assert batch["group_ids"][~failed].tolist() == [0, 0, 0, 1, 1, 2]
     got = np.asarray(group_advantages(batch["rewards"], batch["group_ids"], 3))
     want = reference_advantages([r for _, r, _ in spec], failed, [t for t, _, _ in spec])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
@@ -104,8 +105,9 @@ def test_a_user_endpoint_down_for_the_whole_run_stops_training(tmp_path):
             "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=4", "rollout.max_context=1536", "grpo.steps=3",
             "metrics.progress_bar=false", "metrics.tensorboard=false"]
     (tmp_path / "run.yaml").write_text("{}\n")  # the schema's defaults, not the embedded run's
-    result = subprocess.run([sys.executable, "-m", "muajax.train", "--config", str(tmp_path / "run.yaml"), *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    result = subprocess.run([sys.executable, "-m", "muajax.train", "--config", str(tmp_path / "run.yaml"), *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     message = result.stderr.strip().splitlines()[-1]

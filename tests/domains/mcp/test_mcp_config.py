@@ -82,7 +82,8 @@ def test_streamable_http_server_with_a_header_from_the_environment(tmp_path, mon
     monkeypatch.setenv("MUAJAX_NOTES_KEY", "k-123")
     with NotesHttpServer(api_key="k-123") as server:
         path = write(tmp_path / "http.yaml", scenario("web-notes", "web"))
-        cfg = load_config(None, ["env.domain=mcp", f"env.mcp.scenarios=[{path}]", f"env.mcp.servers.web.url={server.url}",
+        cfg = load_config(None, ["env.domain=mcp", f"env.mcp.scenarios=[{path}]",
+                                 f"env.mcp.servers.web.url={server.url}",
                                  "env.mcp.servers.web.headers_env={X-Api-Key: MUAJAX_NOTES_KEY}",
                                  "env.mcp.servers.web.startup_timeout=10"])
         env = make_environment(cfg.env)
