@@ -204,15 +204,17 @@ def confirm_before_write_rate(per_rollout_flags: Iterable[Sequence[bool] | None]
 
 
 def sft_record(env: Environment, task: Task, messages: list[dict[str, Any]],
-               evaluation: Evaluation) -> dict[str, Any]:
+               evaluation: Evaluation, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One conversation as a line of cold-start SFT data: OpenAI-style `messages` (no system
-    message), the agent's `tools` and `system` policy, the task, its reward and, where the
-    domain judges it, whether every write was confirmed first."""
-    session = env.reset(task)
-    try:
-        tools = session.tools()
-    finally:
-        session.close()
+    message), the agent's `tools` (given, or read from a fresh session) and `system` policy,
+    the task, its reward and, where the domain judges it, whether every write was confirmed
+    first."""
+    if tools is None:
+        session = env.reset(task)
+        try:
+            tools = session.tools()
+        finally:
+            session.close()
     return {"task_id": task.task_id, "system": env.policy_for(task), "tools": tools, "messages": messages,
             "reward": float(evaluation.reward), WRITES_CONFIRMED: (evaluation.details or {}).get(WRITES_CONFIRMED)}
 

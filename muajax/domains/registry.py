@@ -45,9 +45,9 @@ def make_environment(env_cfg) -> Environment:
 
         return BfclEnvironment(env_cfg.bfcl_category)
     if domain == "mcp":
-        from muajax.domains.mcp.environment import McpEnvironment
+        from muajax.domains.mcp.environment import environment_from_config
 
-        return McpEnvironment.from_config(env_cfg.mcp)
+        return environment_from_config(env_cfg.mcp)
     raise DomainConfigError(f"env.domain: unknown domain {domain!r}")
 
 
