@@ -145,6 +145,9 @@ class EnvConfig:
     builtin_test_users: int = bounded(12, ge=0)  # 0: shared users, held-out tasks
     builtin_train_tasks: int = bounded(200, ge=1)
     builtin_test_tasks: int = bounded(50, ge=1)
+    # A "validation" split of this many tasks from the train users (none duplicates a train
+    # task): tune on it, and keep the test split for the figures you report.
+    builtin_validation_tasks: int = bounded(0, ge=0)
     # The share of each task kind in both splits (kind -> weight; null: the domain's own mix).
     builtin_kind_weights: dict[str, float] | None = None
     bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",

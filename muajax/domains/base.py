@@ -144,6 +144,12 @@ class Environment(abc.ABC):
     def reset(self, task: Task) -> EnvSession:
         """A fresh, isolated session for one rollout of `task`."""
 
+    def never_write_floor(self, tasks: list[Task], *, communicate_info: bool) -> float | None:
+        """Success on `tasks` of a careful agent that never writes to the database, where the
+        domain can play one (None otherwise): what a policy gets for free, below which a
+        lesson about when to write shows nothing."""
+        return None
+
 
 # ---------------------------------------------------------------------- the simulated user
 
