@@ -113,6 +113,9 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    # The slice the run is sized for (v5p-128, v6e-64, v5p:4x4x4, or h100:8 for a GPU node):
+    # what `python -m muajax.plan --config` compiles for. The trainer uses the devices it finds.
+    topology: str | None = None
 
     def validate(self) -> None:
         wild = [n for n in ("data", "fsdp", "tensor") if getattr(self, n) == -1]
