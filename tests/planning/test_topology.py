@@ -1,8 +1,11 @@
 """Topology names -> chip grids (no jax device needed), and libtpu's devices for them."""
+import glob
+import os
 import sys
 
 import pytest
 
+from muajax.config.schema import load_config
 from muajax.planning import topology
 from muajax.planning.topology import (
     LibtpuMissingError,
@@ -10,6 +13,8 @@ from muajax.planning.topology import (
     parse_topology,
     tpu_devices,
 )
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("text, chips, shape, generation", [
@@ -72,3 +77,14 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
     assert not topology.libtpu_available()
     with pytest.raises(LibtpuMissingError, match=r'pip install -e "\.\[tpu\]"'):
         tpu_devices(parse_topology("v5p-8"))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "runs", "qwen3-*-tau2-*.yaml"))),
+                         ids=os.path.basename)
+def test_every_hardware_config_names_a_topology_its_mesh_fills(path):
+    cfg = load_config(path)
+    spec = parse_topology(cfg.mesh.topology)  # what `python -m muajax.plan --config` compiles for
+    assert spec.chip is not None  # judged against a chip: a TPU generation's, or the GPU's
+    data, fsdp, tensor = cfg.mesh.resolve(spec.chips)
+    assert data * fsdp * tensor == spec.chips
+    assert (spec.gpu is not None) == path.endswith("-h100.yaml")
