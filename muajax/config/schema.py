@@ -247,6 +247,7 @@ class SFTConfig:
     # Open each window with the run's system prompt (policy and tools; shared, so computed
     # once per batch): a model that never saw that prompt is lost behind it.
     domain_warmup_system_prompt: bool = False
+    max_consecutive_skips: int | None = bounded(3, ge=0)  # as grpo.max_consecutive_skips
 
     def validate(self) -> None:
         check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",

@@ -67,7 +67,7 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
         from muajax.domains.builtin.user import ScriptedUser
 
         return ScriptedUser()
-    from muajax.domains.openai_user import OpenAIUserSimulator
+    from muajax.domains.openai_user import MissingApiKeyError, OpenAIUserSimulator
 
     kwargs = dict(model=user_cfg.model, api_key_env=user_cfg.api_key_env, timeout_s=user_cfg.timeout_s,
                   max_retries=user_cfg.max_retries, max_concurrency=user_cfg.max_concurrency,
@@ -80,7 +80,10 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
 
         # retail and airline share τ2's guidelines; telecom's add the user's own tools
         kwargs["guidelines"] = tau2_user_guidelines(names[0])
-    return OpenAIUserSimulator(**kwargs)
+    try:
+        return OpenAIUserSimulator(**kwargs)
+    except MissingApiKeyError as exc:  # the run stops before it writes anything, naming the key
+        raise DomainConfigError(f"user.api_key_env: {exc}") from None
 
 
 def make_domain(env_cfg, user_cfg) -> Domain:

@@ -53,6 +53,10 @@ class GRPOConfig(Checked):
     ppo_epochs: int = bounded(1, ge=1)
     microbatch_size: int | None = bounded(None, ge=1)  # rows per gradient pass within one update
     logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once
+    # More than this many steps in a row with a non-finite loss or gradient (each such
+    # update is dropped) stops the run after a checkpoint: the cause (a learning rate, a
+    # poisoned batch, params gone NaN) will not fix itself. null: never stop.
+    max_consecutive_skips: int | None = bounded(3, ge=0)
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
