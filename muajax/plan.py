@@ -171,7 +171,10 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
                                  keep_kv_during_update=not args.free_kv_during_update, exact_oom=args.exact_oom,
                                  **overrides)
     mesh = args.mesh or {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-    return model, label, settings, mesh, args.topology or cfg.mesh.topology
+    topology = args.topology or cfg.mesh.topology
+    if topology is None:
+        raise SystemExit(f"plan: {args.config} names no mesh.topology (the slice it is sized for): pass --topology")
+    return model, label, settings, mesh, topology
 
 
 def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:

@@ -106,6 +106,11 @@ def test_a_config_is_changed_with_set_not_with_run_flags(config):
     assert "--batch with --config" in proc.stderr and "--set" in proc.stderr
 
 
+def test_a_config_without_a_topology_asks_for_one(config):
+    _, proc = run_plan(["--config", config, "--set", "mesh.topology=null"], expect=1)
+    assert "names no mesh.topology" in proc.stderr and "--topology" in proc.stderr
+
+
 @needs_libtpu
 def test_too_big_exits_1():
     out, proc = run_plan([*SMALL, "--topology", "v5p-8", "--phases", "update", "--hbm", "64KiB"], expect=1)

@@ -81,10 +81,15 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "runs", "qwen3-*-tau2-*.yaml"))),
                          ids=os.path.basename)
-def test_every_hardware_config_names_a_topology_its_mesh_fills(path):
+def test_every_hardware_config_names_a_topology_its_mesh_fills_without_padding(path):
     cfg = load_config(path)
     spec = parse_topology(cfg.mesh.topology)  # what `python -m muajax.plan --config` compiles for
     assert spec.chip is not None  # judged against a chip: a TPU generation's, or the GPU's
     data, fsdp, tensor = cfg.mesh.resolve(spec.chips)
     assert data * fsdp * tensor == spec.chips
     assert (spec.gpu is not None) == path.endswith("-h100.yaml")
+    # the shipped microbatches pad nothing: the trainer pads rows to data x fsdp x microbatches
+    batch = cfg.rollout.n_per_task * cfg.rollout.tasks_per_step
+    for rows, size in ((batch, cfg.grpo.microbatch_size), (cfg.sft.batch_size, cfg.sft.microbatch_size)):
+        microbatches = rows // size if size else 1
+        assert rows % (data * fsdp * microbatches) == 0, (rows, size, data * fsdp)
