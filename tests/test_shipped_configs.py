@@ -61,3 +61,15 @@ def test_the_shipped_base_is_a_qwen3_checkpoint_transformers_agrees_with():
     params, cfg = load_params(path, load_hf_config(path))
     got, _ = forward(params, cfg, tokens)
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_the_tau2_smoke_config_needs_only_the_user_endpoint():
+    from muajax.config.schema import ConfigError
+
+    path = os.path.join(ROOT, "configs", "smoke-tau2.yaml")
+    with pytest.raises(ConfigError, match="'user.model' is required"):
+        load_config(path)
+    cfg = load_config(path, ["user.base_url=http://127.0.0.1:9/v1", "user.model=M"])
+    assert cfg.run.stages == ("sft", "grpo") and cfg.env.domains == ("retail", "airline")
+    assert cfg.sft.data == os.path.join(ROOT, "configs", "smoke-tau2-sft.jsonl") and os.path.isfile(cfg.sft.data)
+    assert cfg.grpo.steps == 2 and cfg.env.max_train_tasks == 1 and cfg.rollout.tasks_per_step == 2
