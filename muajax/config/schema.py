@@ -108,24 +108,30 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device-mesh axis sizes; one of them may be -1, meaning "all remaining devices"."""
+    """Device-mesh axis sizes, one field per `parallel.MESH_AXES` entry; one of them may be
+    -1, meaning "all remaining devices". `sequence` > 1 splits each row's positions over
+    that many devices (context parallelism, for rows too long for one device)."""
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    sequence: int = 1
 
     def validate(self) -> None:
-        wild = [n for n in ("data", "fsdp", "tensor") if getattr(self, n) == -1]
-        for name in ("data", "fsdp", "tensor"):
+        wild = [n for n in parallel.MESH_AXES if getattr(self, n) == -1]
+        for name in parallel.MESH_AXES:
             size = getattr(self, name)
             check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (the rest of the devices), got {size}")
             if name in wild[1:]:
                 check(False, name, f"is -1 but so is {wild[0]}; at most one axis may be -1")
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) for `num_devices`, filling in the -1 axis."""
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in parallel.MESH_AXES}
+
+    def resolve(self, num_devices: int) -> tuple[int, ...]:
+        """Sizes in `parallel.MESH_AXES` order for `num_devices`, filling in the -1 axis."""
         try:
-            return parallel.resolve_mesh_shape(self.data, self.fsdp, self.tensor, num_devices)
+            return parallel.resolve_mesh_shape(*self.sizes().values(), num_devices)
         except ValueError as e:
             raise ConfigError(f"{e} (set one axis to -1 to absorb the rest)") from None
 

@@ -20,7 +20,8 @@ from muajax.models.sharding import param_shardings
 from muajax.rl.advantages import group_advantages
 from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
 from muajax.rl.optim import Optimizer
-from muajax.rl.step import LossFn, TrainStep, sequence_logprobs, shift_left
+from muajax.rl.sequence import sequence_logprobs
+from muajax.rl.step import LossFn, TrainStep, shift_left
 
 Schedule = Literal["constant", "warmup_cosine"]
 

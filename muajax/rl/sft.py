@@ -16,7 +16,8 @@ import numpy as np
 from muajax.models.sharding import param_shardings
 from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.optim import Optimizer
-from muajax.rl.step import TrainStep, sequence_logprobs, shift_left
+from muajax.rl.sequence import sequence_logprobs
+from muajax.rl.step import TrainStep, shift_left
 
 
 def sft_terms(logprobs, mask, entropy=None, context=None):

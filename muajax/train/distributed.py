@@ -253,12 +253,13 @@ def process_devices(process_index: int) -> list:
 
 
 def local_mesh(global_mesh: Mesh) -> Mesh:
-    """A (data, fsdp, tensor) mesh over this process's devices: the global tensor axis if it
-    fits on one host (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
+    """A mesh over this process's devices: the global tensor axis if it fits on one host
+    (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
     devices = process_devices(jax.process_index())
     tensor = math.gcd(global_mesh.shape["tensor"], len(devices))
-    grid = np.array(devices, dtype=object).reshape(1, len(devices) // tensor, tensor)
-    return Mesh(grid, parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    sizes = dict.fromkeys(parallel.MESH_AXES, 1) | {"fsdp": len(devices) // tensor, "tensor": tensor}
+    grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
+    return Mesh(grid, parallel.MESH_AXES, axis_types=(AxisType.Auto,) * len(parallel.MESH_AXES))
 
 
 class ProcessLocalEngine(Engine):
@@ -273,7 +274,8 @@ class ProcessLocalEngine(Engine):
         local = local_mesh(mesh)
         grid = np.stack([np.array(process_devices(p), dtype=object).reshape(local.devices.shape)
                          for p in range(jax.process_count())])
-        stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+        stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES,
+                       axis_types=(AxisType.Auto,) * (1 + len(parallel.MESH_AXES)))
         self.local_shardings = param_shardings(cfg, local)
         # the local layout with the "processes" axis unnamed in every spec: one replica per process
         self._replica_shardings = jax.tree.map(lambda s: NamedSharding(stacked, s.spec), self.local_shardings)
