@@ -45,6 +45,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # it anyway (an "involuntary full rematerialization"), so only its width is sharded.
     ("embed_vocab", None),
     ("embed", WEIGHT_AXES),
+    ("embed_lookup", "fsdp"),  # the embedding table as its lookup reads it (see Qwen3)
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
