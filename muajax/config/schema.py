@@ -43,6 +43,9 @@ class RunConfig:
     out_dir: str = "runs"
     seed: int = 0
     stages: tuple[Stage, ...] = ("grpo",)
+    # jax's persistent compilation cache: a resumed (or repeated) run reads its compiled
+    # programs back instead of compiling them again. Shared safely between runs.
+    compilation_cache_dir: str | None = None
 
     def validate(self) -> None:
         stages = list(self.stages)
@@ -226,7 +229,14 @@ class SFTConfig:
     schedule: Schedule = "warmup_cosine"
     warmup_ratio: float = bounded(0.0, ge=0, lt=1)
     max_len: int = bounded(32768, ge=1)
+    # Rows per gradient pass (a multiple of data*fsdp); several passes add up to one update.
     microbatch_size: int | None = bounded(None, ge=1)
+    # Positions per LM-head chunk: the [T, V] logits never exist at once (any T works).
+    logits_chunk: int | None = bounded(None, ge=1)
+    # Conversations packed into rows of the longest one's length, with segment ids (attention
+    # never crosses a conversation; positions restart). "auto" packs when that computes fewer
+    # tokens a step than a row per conversation with the shared system prompt run once.
+    packing: Literal["auto", "on", "off"] = "auto"
     # Loss weight of the conversation's other tokens (user turns, tool results; never the
     # system prompt) beside the assistant's own (weight 1). MUA-RL's cold start uses 0. A
     # model trained from scratch (the embedded default) has no pretraining to copy ids and
@@ -316,6 +326,9 @@ class TrainConfig:
         check(mb is None or (mini or batch) % mb == 0, "grpo.microbatch_size",
               f"({mb}) must divide the rollout batch n_per_task*tasks_per_step = {batch}" if mini is None else
               f"({mb}) must divide grpo.minibatch_size ({mini})")
+        buckets = self.grpo.length_buckets
+        check(not buckets or buckets[-1] >= r.max_context, "grpo.length_buckets",
+              f"must reach rollout.max_context ({r.max_context}): the longest is {buckets and buckets[-1]}")
         check(arch is None or r.max_context <= arch.max_position_embeddings, "rollout.max_context",
               f"({r.max_context}) exceeds model.arch.max_position_embeddings ({arch and arch.max_position_embeddings})")
 

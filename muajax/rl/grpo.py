@@ -52,8 +52,12 @@ class GRPOConfig(Checked):
     # of this size, as verl's ppo_mini_batch_size and ppo_epochs do.
     minibatch_size: int | None = bounded(None, ge=1)
     ppo_epochs: int = bounded(1, ge=1)
-    microbatch_size: int | None = bounded(None, ge=1)  # rows per gradient pass within one update
+    # rows per gradient pass within one update: a multiple of data*fsdp (each device takes whole rows)
+    microbatch_size: int | None = bounded(None, ge=1)
     logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once
+    # Padded lengths of the rollout batches, one compilation of the step each: a batch takes
+    # the shortest that holds its longest rollout. None: 512 doubled up to rollout.max_context.
+    length_buckets: tuple[int, ...] | None = None
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
@@ -63,6 +67,10 @@ class GRPOConfig(Checked):
         check(self.minibatch_size is None or self.microbatch_size is None
               or self.minibatch_size % self.microbatch_size == 0, "microbatch_size",
               f"({self.microbatch_size}) must divide minibatch_size ({self.minibatch_size})")
+        buckets = self.length_buckets
+        check(buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)
+                                  and list(buckets) == sorted(set(buckets))), "length_buckets",
+              f"must be positive lengths in increasing order, got {buckets}")
 
     @property
     def uses_reference(self) -> bool:

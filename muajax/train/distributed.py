@@ -161,13 +161,15 @@ def from_main_process(fn: Callable[[], T]) -> T:
 # ---------------------------------------------------------------------- the global batch
 
 
-def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, multiple: int, first_group: int) -> dict:
-    """`collate` of this process's trajectories, at the length every process agrees on, with
-    group ids counted from `first_group` (its first task's global index)."""
+def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, length_of: Callable[[int], int],
+                  first_group: int) -> dict:
+    """`collate` of this process's trajectories, at the length every process agrees on (the
+    largest `length_of(longest)`; a non-decreasing `length_of`, such as a bucket), with group
+    ids counted from `first_group` (its first task's global index)."""
+    length = length_of(max(len(t.tokens) for t in trajectories))
     if not multiprocess():
-        return collate(trajectories, pad_id=pad_id, multiple=multiple)
-    longest = max(len(t.tokens) for t in trajectories)
-    length = max(allgather_ints(max(1, -(-longest // multiple) * multiple)))
+        return collate(trajectories, pad_id=pad_id, length=length)
+    length = max(allgather_ints(length))
     batch = collate(trajectories, pad_id=pad_id, length=length)
     batch["group_ids"] = batch["group_ids"] + np.int32(first_group)
     return batch
