@@ -22,6 +22,7 @@ LAYERS = (
     # the generic config machinery: any layer may define its config class with it
     ("muajax.config.fields", 0, "config.machinery"),
     ("muajax.config.loader", 0, "config.machinery"),
+    ("muajax.config.secrets", 0, "config.machinery"),
     ("muajax.models", 1, "models"),
     ("muajax.engine", 2, "engine"),
     ("muajax.domains", 3, "domains"),

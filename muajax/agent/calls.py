@@ -2,13 +2,15 @@
 agent was shown, and route it to the environment, the user, or the end of the episode.
 
 Routing (`route_assistant`) is a pure function of the sampled text: a message with a tool
-call, or a failed attempt at one, goes to the environment (its first call only); plain
-text goes to the simulated user. A malformed call (unparseable, unknown tool, arguments
-that break the tool's schema) is counted; with `end_on_malformed_call` it ends the
-episode unexecuted, otherwise a parse error gets `format_tool_error` as its observation
-and a schema violation runs through the environment, whose own error the agent sees.
-Calls that never ran are left out of the message's `tool_calls`, so evaluators that
-replay calls replay only what ran.
+call, or a failed attempt at one, goes to the environment; plain text goes to the
+simulated user. Of a message's calls only the first runs (MUA-RL's training rollout), or
+with `execute_all_calls` every one, in order (τ2's orchestrator, BFCL's parallel calls).
+A malformed call (unparseable, unknown tool, arguments that break the tool's schema) is
+counted; with `end_on_malformed_call` it ends the episode unexecuted, otherwise a parse
+error gets `format_tool_error` as its observation and a schema violation runs through the
+environment, whose own error the agent sees. The message's `tool_calls` list every
+parsed call; only the ones that ran get a tool message, which is how evaluators that
+replay calls (τ2's) tell them apart.
 """
 from __future__ import annotations
 
@@ -101,17 +103,26 @@ def check_call(call: ToolCall, schemas: Mapping[str, dict[str, Any]]) -> str | N
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Where one assistant message goes. kind TOOL: run `call`, or (call None) answer with
-    `error_observation`; USER: send `user_text`; END: the episode is over (`termination`)."""
+    """Where one assistant message goes. kind TOOL: run `calls` in order, or (none) answer
+    with `error_observation`; USER: send `user_text`; END: the episode is over (`termination`)."""
 
     kind: str
     message: dict[str, Any]  # the assistant message for the transcript
-    call: ToolCall | None = None
-    call_id: str | None = None
+    calls: tuple[ToolCall, ...] = ()  # the calls to run, in order
+    call_ids: tuple[str, ...] = ()  # their ids in `message["tool_calls"]`
     error_observation: str | None = None
     user_text: str | None = None
-    malformed: str | None = None  # why the call was malformed (counted either way)
+    malformed: str | None = None  # why the (first) malformed call was malformed (counted either way)
+    malformed_count: int = 0
     termination: str | None = None
+
+    @property
+    def call(self) -> ToolCall | None:
+        return self.calls[0] if self.calls else None
+
+    @property
+    def call_id(self) -> str | None:
+        return self.call_ids[0] if self.call_ids else None
 
 
 def _assistant_message(content: str, calls: Sequence[ToolCall] = (), id_prefix: str = "call") -> dict[str, Any]:
@@ -125,7 +136,8 @@ def _assistant_message(content: str, calls: Sequence[ToolCall] = (), id_prefix: 
 
 
 def route_assistant(text: str, finish_reason: str, schemas: Mapping[str, dict[str, Any]], *,
-                    end_on_malformed_call: bool = False, id_prefix: str = "call") -> Route:
+                    end_on_malformed_call: bool = False, id_prefix: str = "call",
+                    execute_all_calls: bool = False) -> Route:
     """Route one decoded assistant message (without its `<|im_end|>`). Never raises."""
     parsed = parse_assistant(text)
     content = parsed.content
@@ -133,16 +145,20 @@ def route_assistant(text: str, finish_reason: str, schemas: Mapping[str, dict[st
         return Route(END, _assistant_message(content), termination=tr.CONTEXT)
     if parsed.error is not None:
         if end_on_malformed_call:
-            return Route(END, _assistant_message(content), malformed=parsed.error, termination=tr.MALFORMED_CALL)
+            return Route(END, _assistant_message(content), malformed=parsed.error, malformed_count=1,
+                         termination=tr.MALFORMED_CALL)
         return Route(TOOL, _assistant_message(content), error_observation=format_tool_error(parsed.error),
-                     malformed=parsed.error)
+                     malformed=parsed.error, malformed_count=1)
     if parsed.tool_calls:
-        call = parsed.tool_calls[0]
-        problem = check_call(call, schemas)
+        calls = tuple(parsed.tool_calls if execute_all_calls else parsed.tool_calls[:1])
+        problems = [p for p in (check_call(c, schemas) for c in calls) if p is not None]
+        problem = problems[0] if problems else None
         if problem is not None and end_on_malformed_call:
-            return Route(END, _assistant_message(content), malformed=problem, termination=tr.MALFORMED_CALL)
+            return Route(END, _assistant_message(content), malformed=problem, malformed_count=len(problems),
+                         termination=tr.MALFORMED_CALL)
         message = _assistant_message(content, parsed.tool_calls, id_prefix)
-        return Route(TOOL, message, call=call, call_id=message["tool_calls"][0]["id"], malformed=problem)
+        ids = tuple(c["id"] for c in message["tool_calls"][: len(calls)])
+        return Route(TOOL, message, calls=calls, call_ids=ids, malformed=problem, malformed_count=len(problems))
     return Route(USER, _assistant_message(content), user_text=content)
 
 
@@ -158,3 +174,19 @@ def execute_tool(session: EnvSession, call: ToolCall) -> Observation:
         log.exception("tool %r raised", call.name)
         return Observation(f"Error: tool {call.name} failed: {type(e).__name__}: {e}", error=True)
 
+
+
+def execute_tools(session: EnvSession, calls: Sequence[ToolCall]) -> list[Observation]:
+    """`session.step_calls(calls)`: one observation per call that ran, in order (at least
+    one). An environment that raises gets its error turned into one observation, as in
+    `execute_tool`."""
+    names = ", ".join(c.name for c in calls)
+    try:
+        observations = session.step_calls(list(calls))
+        if not isinstance(observations, list) or not 1 <= len(observations) <= len(calls) or not all(
+                isinstance(obs, Observation) for obs in observations):
+            raise TypeError(f"step_calls must return 1 to {len(calls)} Observations, got {observations!r:.200}")
+        return observations
+    except Exception as e:
+        log.exception("tools %s raised", names)
+        return [Observation(f"Error: tool {names} failed: {type(e).__name__}: {e}", error=True)]

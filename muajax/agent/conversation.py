@@ -9,16 +9,20 @@ Decisions worth knowing:
 - `max_turns` counts user replies and tool observations (as MUA-RL does). The episode ends
   right after the max_turns-th one, which is recorded in `messages` but not appended to
   the tokens (no generation would read it).
+- A session whose tool list changes mid-episode (`EnvSession.tools_revision`, BFCL's
+  miss_func) gets the new list rendered into its system prompt before the next turn:
+  the tokens after the system prompt stay as they were, and `reprompted` tells the
+  driver to prefill the whole conversation again instead of appending.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from muajax.agent import trajectory as tr
-from muajax.agent.calls import END, TOOL, UNKNOWN_TOOL, USER, Route, route_assistant, safe_text
+from muajax.agent.calls import END, TOOL, UNKNOWN_TOOL, USER, Route, route_assistant, safe_text, tool_schemas
 from muajax.agent.rollout_config import RolloutConfig
 from muajax.agent.chat import after_assistant_ids, generation_prompt_ids, im_end_id, tool_response_ids, user_turn_ids
 from muajax.agent.trajectory import Trajectory
@@ -38,17 +42,23 @@ class Conversation:
 
     def __init__(self, tokenizer, options: RolloutConfig, task: Task, *, group_id: int, rollout_index: int,
                  seed: int, session: EnvSession, user_session: UserSession | None, system_ids: Sequence[int],
-                 schemas: Mapping[str, dict[str, Any]], max_context: int):
+                 schemas: Mapping[str, dict[str, Any]], max_context: int,
+                 system_for: Callable[[list[dict[str, Any]]], list[int]] | None = None):
+        """`system_for(tools)` renders a new system prompt when the session's tools change."""
         self.tok, self.opts, self.task, self.seed = tokenizer, options, task, seed
         self.session, self.user_session, self.schemas = session, user_session, schemas
         self.max_context = max_context
         self.im_end = im_end_id(tokenizer)
+        self.system_for = system_for
+        self.system_len = len(system_ids)
+        self.tools_revision = getattr(session, "tools_revision", 0)
+        self.reprompted = False  # the system prompt changed: the engine must prefill it all again
         first = safe_text(task.first_user_message)
         prompt = list(system_ids) + user_turn_ids(tokenizer, first) + generation_prompt_ids(tokenizer)
         self.record = Trajectory(task_id=task.task_id, group_id=group_id, rollout_index=rollout_index, seed=seed,
                                  tokens=prompt, loss_mask=[0] * len(prompt), logprobs=[0.0] * len(prompt),
                                  prompt_len=len(prompt), messages=[{"role": "user", "content": first}],
-                                 termination="")
+                                 termination="", domain=task.domain)
         self.pending: Route | None = None
         self.close_turn = False  # the last turn lacks a sampled <|im_end|>: the host writes one
         self.slot: int | None = None
@@ -93,30 +103,41 @@ class Conversation:
             else:
                 r.truncated_turns += 1
         route = route_assistant(text, finish_reason, self.schemas, end_on_malformed_call=self.opts.end_on_malformed_call,
-                                id_prefix=f"call_{r.assistant_turns}")
+                                id_prefix=f"call_{r.assistant_turns}", execute_all_calls=self.opts.execute_all_calls)
         r.messages.append(route.message)
-        r.malformed_calls += route.malformed is not None
+        r.malformed_calls += route.malformed_count
         if route.kind == END:
             self._end(route.termination)
             return route
-        if route.kind == TOOL and route.call is not None:
-            r.tool_calls[route.call.name if route.call.name in self.schemas else UNKNOWN_TOOL] += 1
+        for call in route.calls:
+            r.tool_calls[call.name if call.name in self.schemas else UNKNOWN_TOOL] += 1
         self.pending = route
         return route
 
     def on_tool_result(self, observation: Observation) -> list[int] | None:
-        """The next turn's ids to append, or None when the episode is over."""
+        """`on_tool_results` of one observation."""
+        return self.on_tool_results([observation])
+
+    def on_tool_results(self, observations: Sequence[Observation]) -> list[int] | None:
+        """The observations of the pending message's calls, in order (fewer when one ended
+        the episode); the next turn's ids to append, or None when the episode is over."""
         route = self._expect(TOOL)
-        content = safe_text(observation.content)
-        message: dict[str, Any] = {"role": "tool", "content": content}
-        if route.call is not None:
-            message.update(tool_call_id=route.call_id, name=route.call.name)
-        self.record.messages.append(message)
-        self.record.turns += 1
-        if observation.done:
-            called = route.call.name if route.call is not None else None
-            return self._end(tr.TRANSFER if called == TRANSFER_TOOL else tr.ENV_DONE)
-        return self._next(tool_response_ids(self.tok, [content]))
+        if not observations or len(observations) > max(1, len(route.calls)):
+            raise RuntimeError(f"conversation {self.task.task_id}/{self.record.rollout_index}: "
+                               f"{len(observations)} observations for {len(route.calls)} calls")
+        contents = []
+        for i, observation in enumerate(observations):
+            content = safe_text(observation.content)
+            message: dict[str, Any] = {"role": "tool", "content": content}
+            if i < len(route.calls):
+                message.update(tool_call_id=route.call_ids[i], name=route.calls[i].name)
+            self.record.messages.append(message)
+            self.record.turns += 1
+            contents.append(content)
+            if observation.done:
+                called = route.calls[i].name if i < len(route.calls) else None
+                return self._end(tr.TRANSFER if called == TRANSFER_TOOL else tr.ENV_DONE)
+        return self._next(tool_response_ids(self.tok, contents))
 
     def on_user_turn(self, turn: UserTurn, latency_s: float) -> list[int] | None:
         self._expect(USER)
@@ -142,11 +163,36 @@ class Conversation:
             return self._end(tr.MAX_TURNS)
         ids = ([self.im_end] if self.close_turn else []) + after_assistant_ids(self.tok) + turn_ids
         ids += generation_prompt_ids(self.tok)
-        if len(self.record.tokens) + len(ids) >= self.max_context:  # not even one token could be sampled
+        revision = getattr(self.session, "tools_revision", 0)
+        system = self._new_system() if revision != self.tools_revision else None
+        grown = 0 if system is None else len(system) - self.system_len
+        if len(self.record.tokens) + grown + len(ids) >= self.max_context:  # not even one token could be sampled
             return self._end(tr.CONTEXT)
         self._extend(ids, 0)
+        if system is not None:
+            self._replace_system(system)
+            self.tools_revision = revision
         self.pending = None
         return ids
+
+    def _new_system(self) -> list[int]:
+        if self.system_for is None:
+            raise RuntimeError(f"the tools of {self.task.task_id} changed mid-episode, but this conversation "
+                               "has no system_for to render them")
+        return list(self.system_for(self.session.tools()))
+
+    def _replace_system(self, system: list[int]) -> None:
+        """The same conversation behind a new system prompt (see the module docstring)."""
+        r, old = self.record, self.system_len
+        shift = len(system) - old
+        r.tokens = system + r.tokens[old:]
+        r.loss_mask = [0] * len(system) + r.loss_mask[old:]
+        r.logprobs = [0.0] * len(system) + r.logprobs[old:]
+        r.prompt_len += shift
+        r.sampled_spans = [(start + shift, end + shift) for start, end in r.sampled_spans]
+        self.system_len = len(system)
+        self.schemas = tool_schemas(self.session)
+        self.reprompted = True
 
     def trajectory(self) -> Trajectory:
         """Evaluate (off the driver: it may be slow) and return the record. Evaluation errors
@@ -156,6 +202,10 @@ class Conversation:
             evaluation = self.session.evaluate(r.messages, communicate_info=self.opts.communicate_info)
             r.reward, r.partial = float(evaluation.reward), float(evaluation.partial)
             r.details = dict(evaluation.details)
+            if self.opts.zero_unfinished and not r.finished:
+                # τ2's rule; the domain's own verdict stays in the details
+                r.details.update(unfinished=r.termination, reward_if_finished=r.reward)
+                r.reward = 0.0
         except Exception as e:
             log.exception("evaluating %s/%d failed", r.task_id, r.rollout_index)
             r.details = {"evaluate_error": f"{type(e).__name__}: {e}"}

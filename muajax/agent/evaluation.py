@@ -2,12 +2,14 @@
 the per-task JSON record of every rollout.
 
 pass^k for one task with c successes in n trials is C(c, k) / C(n, k) (τ-bench's
-estimator of "all k independent trials succeed"), averaged over tasks.
+estimator of "all k independent trials succeed"), averaged over tasks. A task is its
+(domain, task id): τ2's domains reuse ids ("0" is a retail and an airline task).
+Several domains are summarized each on its own (`summarize_domains`), never pooled.
 """
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from math import comb
 from typing import Any
 
@@ -31,12 +33,12 @@ def pass_hat_k(successes_per_task: Sequence[tuple[int, int]], k: int) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def by_task(trajectories: Sequence[Trajectory]) -> dict[str, list[Trajectory]]:
-    """Trajectories grouped by task id (first-seen order), each group by rollout index."""
-    groups: dict[str, list[Trajectory]] = defaultdict(list)
+def by_task(trajectories: Sequence[Trajectory]) -> dict[tuple[str, str], list[Trajectory]]:
+    """Trajectories grouped by (domain, task id) (first-seen order), each group by rollout index."""
+    groups: dict[tuple[str, str], list[Trajectory]] = defaultdict(list)
     for t in trajectories:
-        groups[t.task_id].append(t)
-    return {task_id: sorted(ts, key=lambda t: t.rollout_index) for task_id, ts in groups.items()}
+        groups[(t.domain, t.task_id)].append(t)
+    return {key: sorted(ts, key=lambda t: t.rollout_index) for key, ts in groups.items()}
 
 
 def summarize(trajectories: Sequence[Trajectory], trials: int) -> dict[str, Any]:
@@ -60,6 +62,26 @@ def summarize(trajectories: Sequence[Trajectory], trials: int) -> dict[str, Any]
     return out
 
 
+def summarize_domains(trajectories: Sequence[Trajectory], trials: int, *,
+                      twins: Callable[[str], Collection[str]] | None = None) -> dict[str, dict[str, Any]]:
+    """`summarize` per domain (first-seen order). With `twins(domain)` (test task ids that
+    have a train twin, `muajax.domains.tau2.twins`), a domain with twins among its tasks
+    also gets `dedup`: its task count, pass^k and success without them."""
+    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        groups[t.domain].append(t)
+    out = {}
+    for domain, ts in groups.items():
+        summary = summarize(ts, trials)
+        removed = sorted(set(twins(domain)) & {t.task_id for t in ts}) if twins is not None else []
+        if removed:
+            kept = summarize([t for t in ts if t.task_id not in removed], trials)
+            summary["dedup"] = {"tasks": kept["tasks"], "removed": removed, "success": kept["success"],
+                                **{f"pass^{k}": kept[f"pass^{k}"] for k in range(1, trials + 1)}}
+        out[domain] = summary
+    return out
+
+
 def rollout_record(t: Trajectory) -> dict[str, Any]:
     """One rollout as JSON: its outcome, counters and the whole conversation."""
     return {"rollout_index": t.rollout_index, "reward": t.reward, "partial": t.partial,
@@ -72,10 +94,10 @@ def rollout_record(t: Trajectory) -> dict[str, Any]:
 def task_records(trajectories: Sequence[Trajectory], trials: int) -> list[dict[str, Any]]:
     """Per task: successes, pass^k for k up to its trials, mean partial score, and its rollouts."""
     records = []
-    for task_id, ts in by_task(trajectories).items():
+    for (domain, task_id), ts in by_task(trajectories).items():
         c = sum(t.reward >= 1.0 for t in ts)
         records.append({
-            "task_id": task_id, "successes": c, "trials": len(ts),
+            "task_id": task_id, "domain": domain, "successes": c, "trials": len(ts),
             "pass_hat": {str(k): task_pass_hat_k(c, len(ts), k) for k in range(1, min(trials, len(ts)) + 1)},
             "mean_partial": sum(t.partial for t in ts) / len(ts),
             "rollouts": [rollout_record(t) for t in ts],
@@ -86,8 +108,12 @@ def task_records(trajectories: Sequence[Trajectory], trials: int) -> list[dict[s
 def evaluate_policy(engine, tokenizer, domain: Domain, tasks: Sequence[Task], *, trials: int = 1,
                     temperature: float = 0.0, options: RolloutConfig | None = None, seed: int = 0,
                     communicate_info: bool = True) -> tuple[dict[str, Any], list[Trajectory]]:
-    """Roll out every task `trials` times and summarize; the options' other settings
-    (turns, context, ...) stay as given."""
+    """Roll out every task `trials` times and summarize (over all, and `by_domain` when the
+    tasks span several domains); the options' other settings (turns, context, ...) stay as given."""
     batch = run_rollouts_sync(engine, tokenizer, domain.env, domain.user, list(tasks), options=options, seed=seed,
                               n_per_task=trials, temperature=temperature, communicate_info=communicate_info)
-    return summarize(batch, trials), list(batch)
+    summary = summarize(batch, trials)
+    domains = summarize_domains(batch, trials)
+    if len(domains) > 1:
+        summary["by_domain"] = domains
+    return summary, list(batch)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from muajax.agent import trajectory as tr
-from muajax.agent.calls import END, TOOL, USER, execute_tool, tool_schemas
+from muajax.agent.calls import END, TOOL, USER, execute_tools, tool_schemas
 from muajax.agent.chat import system_prompt_ids
 from muajax.agent.conversation import Conversation, close_quietly
 from muajax.agent.trajectory import RolloutBatch, Trajectory
@@ -66,6 +66,7 @@ class _Driver:
 
     def _system(self, schemas: Sequence[dict[str, Any]], task: Task) -> list[int]:
         text = self.opts.system_text if self.opts.system_text is not None else self.env.policy_for(task)
+        text = text or None  # an empty policy: no system text, the tools block alone (BFCL's FC prompt)
         key = json.dumps([text, schemas], sort_keys=True, default=str)
         if key not in self._system_ids:
             self._system_ids[key] = system_prompt_ids(self.tok, text, schemas)
@@ -81,14 +82,15 @@ class _Driver:
             tools = session.tools()
             return Conversation(self.tok, self.opts, task, group_id=ti, rollout_index=ri, seed=seed, session=session,
                                 user_session=user_session, system_ids=self._system(tools, task),
-                                schemas=tool_schemas(session), max_context=self.max_context)
+                                schemas=tool_schemas(session), max_context=self.max_context,
+                                system_for=lambda new_tools, task=task: self._system(new_tools, task))
         except Exception as e:
             log.exception("setting up %s/%d failed", getattr(task, "task_id", task), ri)
             close_quietly(session)
             self.setup_failures.append(Trajectory(
                 task_id=str(getattr(task, "task_id", ti)), group_id=ti, rollout_index=ri, seed=seed, tokens=[],
                 loss_mask=[], logprobs=[], prompt_len=0, messages=[], termination=tr.SETUP_ERROR,
-                error=f"{type(e).__name__}: {e}"))
+                error=f"{type(e).__name__}: {e}", domain=str(getattr(task, "domain", ""))))
             return None
 
     def _admit(self) -> None:
@@ -112,22 +114,29 @@ class _Driver:
             self._finish(conv)
         elif route.kind == USER:
             self.in_flight.add(asyncio.ensure_future(self._ask_user(conv, route.user_text)))
-        elif route.call is None:  # nothing to execute: the parse error is the observation
-            self._continue(conv, conv.on_tool_result(Observation(route.error_observation, error=True)))
+        elif not route.calls:  # nothing to execute: the parse error is the observation
+            self._continue(conv, conv.on_tool_results([Observation(route.error_observation, error=True)]))
         else:
-            self.in_flight.add(asyncio.ensure_future(self._run_tool(conv, route.call)))
+            self.in_flight.add(asyncio.ensure_future(self._run_tools(conv, route.calls)))
 
     def _handle(self, item) -> None:
         task, kind, conv, payload, latency = item
         self.in_flight.discard(task)
-        ids = conv.on_user_turn(payload, latency) if kind == USER else conv.on_tool_result(payload)
+        ids = conv.on_user_turn(payload, latency) if kind == USER else conv.on_tool_results(payload)
         self._continue(conv, ids)
 
     def _continue(self, conv: Conversation, ids: list[int] | None) -> None:
         if ids is None:
             self._finish(conv)
             return
-        self.engine.append(conv.slot, ids)
+        if conv.reprompted:  # a new system prompt: the whole conversation is prefilled again
+            self.engine.release(conv.slot)
+            del self.live[conv.slot]
+            conv.slot = self.engine.open(conv.record.tokens, seed=conv.seed)
+            self.live[conv.slot] = conv
+            conv.reprompted = False
+        else:
+            self.engine.append(conv.slot, ids)
         self._check_sync(conv)
         self.engine.start(conv.slot, self.opts.sampling(conv.budget()))
 
@@ -162,9 +171,9 @@ class _Driver:
             turn = UserTurn("", failed=True, error=f"{type(e).__name__}: {e}")
         self.inbox.put_nowait((asyncio.current_task(), USER, conv, turn, time.perf_counter() - start))
 
-    async def _run_tool(self, conv: Conversation, call: ToolCall) -> None:
-        obs = await asyncio.get_running_loop().run_in_executor(self.pool, execute_tool, conv.session, call)
-        self.inbox.put_nowait((asyncio.current_task(), TOOL, conv, obs, 0.0))
+    async def _run_tools(self, conv: Conversation, calls: Sequence[ToolCall]) -> None:
+        observations = await asyncio.get_running_loop().run_in_executor(self.pool, execute_tools, conv.session, calls)
+        self.inbox.put_nowait((asyncio.current_task(), TOOL, conv, observations, 0.0))
 
     # -- the loop
     async def run(self) -> RolloutBatch:

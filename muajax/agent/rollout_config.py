@@ -19,6 +19,13 @@ class RolloutConfig(Checked):
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
     end_on_malformed_call: bool = False  # the released code ends; an error observation is friendlier
+    # Run every tool call of a message, in order (τ2's orchestrator and BFCL do). False is
+    # MUA-RL's training rollout: only the first call of a message runs.
+    execute_all_calls: bool = False
+    # Score 0 an episode that did not end as a conversation ends (see
+    # `trajectory.FINISHED_TERMINATIONS`), as τ2's evaluator does. False is MUA-RL's training
+    # reward: the final database is judged whatever ended the episode (e.g. max_turns).
+    zero_unfinished: bool = False
     num_slots: int | None = bounded(None, ge=1)  # concurrent KV slots; None = all rollouts of a step
     # τ-bench's check that required facts were told to the user, in the reward: off in
     # training, as MUA-RL ran it (evaluation turns it on with `eval.communicate_info`).

@@ -33,6 +33,15 @@ SETUP_ERROR = "setup_error"  # env.reset / user.start / the prompt failed
 TERMINATIONS = (USER_STOP, USER_TRANSFER, USER_OUT_OF_SCOPE, TRANSFER, ENV_DONE, MALFORMED_CALL, MAX_TURNS,
                 CONTEXT, USER_ERROR, SETUP_ERROR)
 ERROR_TERMINATIONS = frozenset({USER_ERROR, SETUP_ERROR})
+# Episodes that ended the way a conversation ends: τ2's evaluator scores only these (its
+# AGENT_STOP / USER_STOP) and gives 0 to every other ending (max steps, too many errors,
+# agent or user errors). τ2's USER_STOP is any of the user's three end tokens. The agent's
+# transfer_to_human_agents ends a muajax episode at the tool (as MUA-RL does), where τ2's
+# orchestrator goes on until the user, told of the transfer, answers ###TRANSFER###:
+# the same ending one step earlier. ENV_DONE is a tool that ended the episode, which its
+# domain's own evaluator then judges (BFCL scores its force-quit 0 itself). Cut-offs
+# (max_turns, context), a malformed call that ended the episode, and failures are not.
+FINISHED_TERMINATIONS = frozenset({USER_STOP, USER_TRANSFER, USER_OUT_OF_SCOPE, TRANSFER, ENV_DONE})
 
 
 @dataclasses.dataclass
@@ -60,10 +69,16 @@ class Trajectory:
     sampled_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # [start, end) per turn
     error: str | None = None  # the user/setup/evaluation error behind an error termination
     wall_s: float = 0.0  # admission to end of episode
+    domain: str = ""  # the task's domain (evaluations report each domain on its own)
 
     @property
     def failed(self) -> bool:
         return self.termination in ERROR_TERMINATIONS
+
+    @property
+    def finished(self) -> bool:
+        """Ended by the user, the agent's transfer or the environment (see FINISHED_TERMINATIONS)."""
+        return self.termination in FINISHED_TERMINATIONS
 
     @property
     def user_latency_total_s(self) -> float:

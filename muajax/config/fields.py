@@ -1,5 +1,5 @@
 """Typed frozen-dataclass configs from YAML-like data: the generic machinery every config
-class uses, wherever it lives (it imports nothing else of muajax).
+class uses, wherever it lives (it imports nothing else of muajax but `muajax.config.secrets`).
 
 `from_dict` builds nested frozen dataclasses with type checking and coercion; every error
 is a `ConfigError` naming the dotted key at fault. Fields may carry numeric bounds
@@ -7,8 +7,9 @@ is a `ConfigError` naming the dotted key at fault. Fields may carry numeric boun
 `check(cond, key, reason)` with a key relative to itself. A class that code also builds
 directly (`RolloutConfig(max_turns=4)`) derives from `Checked`: construction then runs the
 same checks, so each value has one set of rules wherever it comes from. A literal value
-under a secret-looking key is refused: configs are printed, logged and saved into
-checkpoints.
+under a secret-looking key is refused, and so is a credential inside any value (a URL's
+`user:key@`, a `?token=` query parameter, a list of command arguments with `--api-key X`):
+configs are printed, logged and saved into checkpoints.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
+
+from muajax.config.secrets import argument_credentials, redact, value_credentials
 
 
 class ConfigError(ValueError):
@@ -46,7 +49,7 @@ def _join(path: str, name: str) -> str:
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    text = redact(repr(value))  # an error message must not echo a credential inside a value
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -104,6 +107,16 @@ def _check_secret(name: str, value: Any, path: str, sibling_names: Sequence[str]
         f"checkpoints, so they must not contain secrets. Put the secret in an environment "
         f"variable and {hint} (e.g. 'user.api_key_env: OPENAI_API_KEY')."
     )
+
+
+def _refuse_credentials(path: str, found: list[str]) -> None:
+    """A value holding a credential (a URL's userinfo or secret query parameter, a secret
+    command-line flag's value) is refused like a secret under a secret key, without echoing it."""
+    if found:
+        raise ConfigError(
+            f"'{path}' holds a credential ({'; '.join(found)}); configs are printed, logged and saved into "
+            "checkpoints, so they must not contain secrets. Keep it in an environment variable instead (the "
+            "simulated user's key: 'user.api_key_env'; an MCP server's: its 'env_vars' or scenario 'env').")
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,6 +213,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return _to_number(value, tp, path)
     if tp is str:
         if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            _refuse_credentials(path, value_credentials(str(value)))
             return str(value)
         raise ConfigError(f"'{path}' must be a string, {_got(value)} (quote it in YAML)")
     if origin in (tuple, list) or tp in (tuple, list):
@@ -212,6 +226,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         else:
             elem = args[0] if args else Any
             items = [_coerce(v, elem, f"{path}[{i}]") for i, v in enumerate(value)]
+        for index, where in argument_credentials([v if isinstance(v, str) else "" for v in items]):
+            _refuse_credentials(f"{path}[{index}]", [where])
         return items if (origin or tp) is list else tuple(items)
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):

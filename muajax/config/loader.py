@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from muajax.config.fields import ConfigError, _short, config_to_dict
+from muajax.config.secrets import redact
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -40,16 +41,16 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         key, _, raw = item.partition("=")
         parts = key.strip().split(".")
         if not all(p and p == p.strip() for p in parts):
-            raise ConfigError(f"override {item!r} has a malformed key {key!r}")
+            raise ConfigError(f"override {_short(item)} has a malformed key {_short(key)}")
         try:
             value = _yaml_value(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
+            raise ConfigError(f"override {_short(item)}: the value is not valid YAML ({redact(str(e))})") from None
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r} conflicts with an earlier override that set "
+                raise ConfigError(f"override {_short(item)} conflicts with an earlier override that set "
                                   f"'{'.'.join(parts[: i + 1])}' to {_short(child)}")
             node = child
         node[parts[-1]] = value

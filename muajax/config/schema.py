@@ -182,6 +182,9 @@ class EnvConfig:
                            "multi_turn_long_context"] = "multi_turn_base"
     train_split: str = "train"
     eval_split: str = "test"
+    # τ2's agent tools: "muajax" adds MUA-RL's general think (and calculate where τ2 lacks
+    # it); "tau2" is exactly the list τ2's own agent gets (python -m muajax.eval uses it).
+    tau2_tools: Literal["muajax", "tau2"] = "muajax"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
 
     def validate(self) -> None:
@@ -257,6 +260,7 @@ class SFTConfig:
     # Open each window with the run's system prompt (policy and tools; shared, so computed
     # once per batch): a model that never saw that prompt is lost behind it.
     domain_warmup_system_prompt: bool = False
+    max_consecutive_skips: int | None = bounded(3, ge=0)  # as grpo.max_consecutive_skips
 
     def validate(self) -> None:
         check(self.microbatch_size is None or self.batch_size % self.microbatch_size == 0, "microbatch_size",
@@ -283,6 +287,10 @@ class EvalConfig:
     temperature: float = bounded(0.0, ge=0)
     communicate_info: bool = True  # τ-bench's output check: dropped in training, kept here
     max_tasks: int | None = bounded(None, ge=1)  # evaluate on the first N tasks of the split
+    # The simulated user of evaluations (the trainer's and `python -m muajax.eval` on this
+    # run); null: the training user. MUA-RL trained against gpt-4o-2024-11-20 and evaluated
+    # with GPT-4.1: a gap that tests transfer beyond the training simulator.
+    user: UserConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +314,11 @@ class TrainConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def eval_user(self) -> UserConfig:
+        """The user evaluations talk to: `eval.user`, else the training user."""
+        return self.eval.user if self.eval.user is not None else self.user
 
     def validate(self) -> None:
         r, arch, mb = self.rollout, self.model.arch, self.grpo.microbatch_size

@@ -88,6 +88,21 @@ class EnvSession(abc.ABC):
     def step(self, call: ToolCall) -> Observation:
         """Execute one agent tool call. Never raises for bad input: returns an error Observation."""
 
+    # Bumped by a session whose tool list changes mid-episode (BFCL's miss_func adds
+    # functions at a later turn): the rollout then renders the new list into the prompt.
+    tools_revision: int = 0
+
+    def step_calls(self, calls: Sequence[ToolCall]) -> list[Observation]:
+        """Execute the calls of one assistant message, in order; one observation per call
+        that ran. A call whose observation ends the episode (done) is the last to run.
+        Sessions that count a message as one step (BFCL) override this."""
+        observations = []
+        for call in calls:
+            observations.append(self.step(call))
+            if observations[-1].done:
+                break
+        return observations
+
     def user_tools(self) -> list[dict[str, Any]]:
         """Tools the simulated user may call (dual control, e.g. τ2 telecom). Default: none."""
         return []
@@ -114,7 +129,8 @@ class Environment(abc.ABC):
 
     @abc.abstractmethod
     def policy(self) -> str:
-        """The written domain policy that goes into the agent's system prompt."""
+        """The written domain policy that goes into the agent's system prompt ("": none,
+        the system turn holds only the tools)."""
 
     def policy_for(self, task: Task) -> str:
         """The policy for one task (domains combined from several policies override this)."""

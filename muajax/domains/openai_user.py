@@ -13,7 +13,10 @@ endpoint cannot take down a batch of rollouts.
 
 The API key is read from the environment variable named by `api_key_env`, at
 construction; it is handed to the client and is never logged, stored on the simulator,
-or shown in repr. A simulator (and its HTTP client) belongs to one event loop.
+or shown in repr. A credential inside `base_url` (userinfo, a `?key=` parameter; run
+configs refuse them, code may pass one) is hidden too: the repr, the missing-key message
+and every logged error show the URL redacted. A simulator (and its HTTP client) belongs to
+one event loop.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Any
 
 import openai
 
+from muajax.config.secrets import redact, redact_url
 from muajax.models.tokenizer import strip_control_tokens
 from muajax.domains.base import EnvSession, Observation, Task, ToolCall
 from muajax.domains.base import UserSession, UserSimulator, UserTurn, find_end_token
@@ -64,6 +68,31 @@ def _is_local(base_url: str) -> bool:
     return host in _LOCAL_HOSTS or host.startswith("127.")
 
 
+# httpx logs every request's full URL at INFO, userinfo included; the OpenAI client logs
+# requests at DEBUG. Their records pass through a filter that hides credentials.
+_HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "openai._base_client")
+
+
+class _RedactCredentials(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
+
+
+def _redact_http_logs() -> None:
+    for name in _HTTP_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactCredentials) for f in logger.filters):
+            logger.addFilter(_RedactCredentials())
+
+
+class MissingApiKeyError(ValueError):
+    """A remote endpoint and no key in the environment variable that should hold it."""
+
+
 def _retry_after_s(error: openai.APIStatusError) -> float | None:
     try:
         value = error.response.headers.get("retry-after")
@@ -96,7 +125,7 @@ class OpenAIUserSimulator(UserSimulator):
         if not isinstance(model, str) or not model:
             raise ValueError("model must be a non-empty string (the endpoint's model name)")
         if not isinstance(base_url, str) or urllib.parse.urlsplit(base_url).scheme not in ("http", "https"):
-            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+            raise ValueError(f"base_url must be an http(s) URL, got {redact(repr(base_url))}")
         if not isinstance(api_key_env, str) or not api_key_env:
             raise ValueError("api_key_env must name an environment variable")
         if not isinstance(guidelines, str):
@@ -116,11 +145,12 @@ class OpenAIUserSimulator(UserSimulator):
         if max_user_tool_steps < 0:
             raise ValueError(f"max_user_tool_steps must be >= 0, got {max_user_tool_steps}")
 
+        _redact_http_logs()
         api_key = os.environ.get(api_key_env, "")
         if not api_key:
             if not _is_local(base_url):
-                raise ValueError(
-                    f"the user simulator at {base_url} needs an API key: set the environment variable "
+                raise MissingApiKeyError(
+                    f"the user simulator at {redact_url(base_url)} needs an API key: set the environment variable "
                     f"{api_key_env} (or point api_key_env at the variable that holds it)"
                 )
             api_key = "EMPTY"  # local servers (vLLM, SGLang) accept any key; the client requires one
@@ -150,7 +180,7 @@ class OpenAIUserSimulator(UserSimulator):
 
     def __repr__(self) -> str:
         return (
-            f"OpenAIUserSimulator(model={self.model!r}, base_url={self.base_url!r}, "
+            f"OpenAIUserSimulator(model={self.model!r}, base_url={redact_url(self.base_url)!r}, "
             f"api_key_env={self.api_key_env!r}, temperature={self.temperature}, "
             f"max_concurrency={self.max_concurrency})"
         )
@@ -175,10 +205,11 @@ class OpenAIUserSimulator(UserSimulator):
     # ------------------------------------------------------------------ requests
 
     def _redact(self, text: str) -> str:
+        """An error for the logs: no API key, no credential inside a URL."""
         key = self._client.api_key
         if isinstance(key, str) and len(key) >= 4 and key != "EMPTY":
             text = text.replace(key, "***")
-        return text
+        return redact(text)
 
     def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
         delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))

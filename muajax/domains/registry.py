@@ -29,9 +29,10 @@ def make_environment(env_cfg) -> Environment:
         from muajax.domains.combined import CombinedEnvironment
         from muajax.domains.tau2.environment import Tau2Environment
 
+        tools = env_cfg.tau2_tools
         if env_cfg.domains:  # trained together: one task list, each task with its domain's policy
-            return CombinedEnvironment([Tau2Environment(d) for d in env_cfg.domains])
-        return Tau2Environment(domain)
+            return CombinedEnvironment([Tau2Environment(d, tools=tools) for d in env_cfg.domains])
+        return Tau2Environment(domain, tools=tools)
     if domain == "builtin":
         from muajax.domains.builtin import BuiltinEnvironment
 
@@ -66,7 +67,7 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
         from muajax.domains.builtin.user import ScriptedUser
 
         return ScriptedUser()
-    from muajax.domains.openai_user import OpenAIUserSimulator
+    from muajax.domains.openai_user import MissingApiKeyError, OpenAIUserSimulator
 
     kwargs = dict(model=user_cfg.model, api_key_env=user_cfg.api_key_env, timeout_s=user_cfg.timeout_s,
                   max_retries=user_cfg.max_retries, max_concurrency=user_cfg.max_concurrency,
@@ -79,7 +80,10 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
 
         # retail and airline share τ2's guidelines; telecom's add the user's own tools
         kwargs["guidelines"] = tau2_user_guidelines(names[0])
-    return OpenAIUserSimulator(**kwargs)
+    try:
+        return OpenAIUserSimulator(**kwargs)
+    except MissingApiKeyError as exc:  # the run stops before it writes anything, naming the key
+        raise DomainConfigError(f"user.api_key_env: {exc}") from None
 
 
 def make_domain(env_cfg, user_cfg) -> Domain:

@@ -1,34 +1,46 @@
-"""The generation engine: live conversations held on device, one KV-cache slot each.
+"""The generation engine: live conversations on a paged KV cache.
 
-Between turns a conversation's new tokens (a user or tool turn) are *appended* to its
-slot; nothing is ever re-prefilled. Each slot keeps a queue of tokens not yet in its
-cache. The last queued token is always fed by the decode loop (it produces the logits
-of the first new token), everything before it by a batched, bucketed extend. After a
-generation the last sampled token stays queued, so the cache always holds exactly the
-conversation minus its final token.
+A conversation (a *slot*, the handle `open` returns) keeps its pages across turns: between
+turns its new tokens (a user or tool turn) are *appended*, never re-prefilled. Each
+conversation queues the tokens not yet in the cache. The last queued token is always fed by
+the decode loop (it produces the logits of the first new token), everything before it by a
+chunked extend. After a generation the last sampled token stays queued, so the cache always
+holds exactly the conversation minus its final token.
 
-Continuous batching: `step()` runs one chunk of decode steps over every slot that is
-generating, on a compact batch of just those rows (bucketed to a power of two); slots
-that wait on a user or a tool cost nothing, finished rows leave the batch at the next
-chunk and new conversations join it there.
+Pages (pages.py): one pool of `kv_cache_tokens` tokens in pages of `page_size`. A
+conversation takes pages as it grows and gives them back when released. When a running
+conversation cannot grow, pages are taken from others (preemption): first from
+conversations waiting on a user or tool (the newest first), then from unused shared
+prefixes, then from running conversations opened after it. A preempted conversation keeps
+its tokens and is extended again when it next runs; one that cannot get pages waits. So a
+pool smaller than `num_slots * max_len` only costs recomputation, never a conversation.
 
-Compilations: one decode program per batch bucket (powers of two up to `num_slots`) and
-one extend program per (batch bucket, width bucket) pair actually used.
+Continuous batching: `step()` runs one chunk of decode steps over every generating
+conversation that has pages, as a compact batch bucketed to a power of two per shard;
+conversations waiting on a user or a tool cost nothing but their pages.
+
+Shared prefixes: `register_prefix(tokens)` (e.g. the system prompt). The first conversation
+that starts with it gets the prefix computed once, for the current params, into pages that
+every conversation starting with it then shares (full pages only, reference counted).
+Assigning new `params` invalidates the computed copies.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+import itertools
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from muajax.engine import kv_cache
-from muajax.engine.sampling import sample_tokens
-from muajax.models.qwen3 import KVCache, Qwen3Config, forward
+from muajax.engine import batching, kv_cache
+from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
+from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
+from muajax.engine.programs import Programs, build_spec
+from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
 
 FINISH_REASONS = ("running", "stop", "length", "context")
@@ -53,7 +65,7 @@ class SamplingParams:
 @dataclasses.dataclass
 class Generation:
     """A finished generation: sampled ids, their logprobs, and why it stopped
-    ('stop' = a stop token, 'length' = max_new_tokens, 'context' = the slot is full)."""
+    ('stop' = a stop token, 'length' = max_new_tokens, 'context' = max_len reached)."""
 
     slot: int
     tokens: list[int]
@@ -61,53 +73,58 @@ class Generation:
     finish_reason: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Slot:
     seed: int
-    queued: list[int] = dataclasses.field(default_factory=list)
-    length: int = 0  # tokens in the cache (host mirror of cache.lengths)
+    seq: PagedSeq
     sampling: SamplingParams | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    return buckets[-1]
-
-
 class Engine:
+    """`num_slots`: conversations open at once; `max_len`: tokens per conversation;
+    `kv_cache_tokens`: the pool (default `num_slots * max_len`: nothing is ever preempted);
+    `page_size`: tokens per page (default 128 with the Pallas kernel, else 16);
+    `extend_widths`: extend chunk widths (a prompt longer than the widest is extended in
+    chunks); `max_extend_tokens`: rows x width of one extend call per shard;
+    `attention`: "auto" (Pallas on TPU), "pallas" or "reference" (see paged_attention.py)."""
+
     def __init__(self, params, cfg: Qwen3Config, *, num_slots: int, max_len: int, mesh=None,
                  stop_ids: Iterable[int] = (IM_END_ID,), decode_chunk: int = 32,
-                 extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1):
-        if num_slots < 1 or max_len < 2:
-            raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {max_len}")
+                 extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1,
+                 kv_cache_tokens: int | None = None, page_size: int | None = None, max_extend_tokens: int = 8192,
+                 attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS):
+        if num_slots < 1 or max_len < 2 or decode_chunk < 1 or not extend_widths or min(extend_widths) < 1:
+            raise ValueError(f"need num_slots >= 1, max_len >= 2, decode_chunk >= 1 and extend widths >= 1, got "
+                             f"{num_slots}, {max_len}, {decode_chunk}, {tuple(extend_widths)}")
         self.params = params  # read directly: assign new params after an update, nothing is copied
-        self.cfg = cfg
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self.mesh = mesh
+        self.cfg, self.num_slots, self.max_len, self.mesh = cfg, num_slots, max_len, mesh
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
-        self.decode_chunk = decode_chunk
-        self.extend_widths = tuple(w for w in extend_widths if w < max_len) + (max_len,)
-        # Batches are padded to a power of two (at least min_batch_bucket): each bucket is one
-        # compilation; a larger minimum trades a little padded work for fewer compilations.
-        self.batch_buckets = tuple(sorted({min(max(2**i, min_batch_bucket), num_slots)
-                                           for i in range(num_slots.bit_length() + 1)}))
-        self._shardings = None if mesh is None else kv_cache.cache_shardings(cfg, num_slots, max_len, mesh)
-        self.cache: KVCache = kv_cache.allocate(cfg, num_slots, max_len, mesh)
+        self.decode_chunk, self.max_extend_tokens = decode_chunk, max_extend_tokens
+        self.spec = build_spec(cfg, mesh, num_slots=num_slots, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
+                               page_size=page_size, decode_chunk=decode_chunk, attention=attention,
+                               blocks=kernel_blocks)
+        self.attention, self.page_size, pool = self.spec.attention, self.spec.pool.page_size, self.spec.pool
+        self.extend_widths = tuple(sorted({min(w, max_len) for w in extend_widths}))
+        # Batches are padded per shard to a power of two (at least min_batch_bucket): each bucket
+        # is one compilation; a larger minimum trades a little padded work for fewer compilations.
+        self.batch_buckets = batching.buckets(num_slots, min_batch_bucket)
+        self.pool = kv_cache.allocate(pool)
+        self.pages = PageTables(PagePool(pool.num_shards, pool.pages_per_shard), self.page_size, pool.max_pages)
+        self._programs = Programs(self.spec)
+        replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._stop_ids = jax.device_put(self.stop_ids, replicated)
         self._slots: dict[int, _Slot] = {}
         self._free = list(range(num_slots))
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "extend_tokens": 0, "device_s": 0.0,
-                      "decode_calls": 0, "extend_calls": 0}
-        self._decode_fn = jax.jit(functools.partial(_decode_chunk, cfg, self.decode_chunk, self._shardings),
-                                  donate_argnums=(1,))
-        self._extend_fn = jax.jit(functools.partial(_extend, cfg, self._shardings), donate_argnums=(1,))
-        self._reset_fn = jax.jit(_reset_lengths, donate_argnums=(0,))
+        self._priority = itertools.count()
+        self._prefixes: list[SharedPrefix] = []
+        self._prefix_params: list[weakref.ref] = []
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "extend_tokens": 0, "device_s": 0.0, "decode_calls": 0,
+                      "extend_calls": 0, "preemptions": 0, "prefix_hits": 0, "prefix_prefill_tokens": 0,
+                      "peak_pages": 0}
 
-    # ------------------------------------------------------------------ slots
+    # ------------------------------------------------------------------ conversations
     @property
     def free_slots(self) -> int:
         return len(self._free)
@@ -119,8 +136,7 @@ class Engine:
         if len(tokens) == 0:
             raise ValueError("a conversation needs at least one token")
         slot = self._free.pop(0)
-        self._slots[slot] = _Slot(seed=seed)
-        self._run(self._reset_fn, jnp.asarray([slot], jnp.int32))
+        self._slots[slot] = _Slot(seed=seed, seq=PagedSeq(priority=next(self._priority)))
         self.append(slot, tokens)
         return slot
 
@@ -129,20 +145,20 @@ class Engine:
         state = self._get(slot)
         if state.sampling is not None:
             raise RuntimeError(f"slot {slot} is generating; append after its generation finishes")
-        if state.length + len(state.queued) + len(tokens) > self.max_len:
-            raise ValueError(f"slot {slot}: {state.length + len(state.queued) + len(tokens)} tokens exceed max_len={self.max_len}")
-        state.queued.extend(int(t) for t in tokens)
+        if self.length(slot) + len(tokens) > self.max_len:
+            raise ValueError(f"slot {slot}: {self.length(slot) + len(tokens)} tokens exceed max_len={self.max_len}")
+        state.seq.queued.extend(int(t) for t in tokens)
 
     def release(self, slot: int) -> None:
-        self._get(slot)
+        self.pages.drop(self._get(slot).seq)
         del self._slots[slot]
         self._free.append(slot)
         self._free.sort()
 
     def length(self, slot: int) -> int:
         """Tokens of the conversation so far (in the cache plus queued)."""
-        state = self._get(slot)
-        return state.length + len(state.queued)
+        seq = self._get(slot).seq
+        return seq.length + len(seq.queued)
 
     def is_generating(self, slot: int) -> bool:
         return self._get(slot).sampling is not None
@@ -151,28 +167,122 @@ class Engine:
         """Tokens the slot's current (or last) generation has sampled so far (for streaming)."""
         return list(self._get(slot).tokens)
 
+    def cached_kv(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and values [layers, kv_heads, tokens, head_dim] in the slot's pages (tests, debugging)."""
+        seq = self._get(slot).seq
+        if not seq.pages:
+            shape = (self.cfg.num_layers, self.cfg.num_kv_heads, 0, self.cfg.head_dim)
+            return np.zeros(shape), np.zeros(shape)
+        return kv_cache.read_tokens(self.pool, self.spec.pool, seq.shard, seq.pages, seq.length)
+
     def _get(self, slot: int) -> _Slot:
         if slot not in self._slots:
             raise KeyError(f"slot {slot} is not open")
         return self._slots[slot]
 
+    # ------------------------------------------------------------------ shared prefixes
+    def register_prefix(self, tokens: Sequence[int]) -> None:
+        """Share the full pages of `tokens` among the conversations that start with them."""
+        tokens = tuple(int(t) for t in tokens)
+        if not tokens or len(tokens) > self.max_len:
+            raise ValueError(f"a prefix needs 1..max_len={self.max_len} tokens, got {len(tokens)}")
+        if all(p.tokens != tokens for p in self._prefixes):
+            self._prefixes.append(SharedPrefix(tokens, len(tokens) // self.page_size * self.page_size))
+
+    def clear_prefixes(self) -> None:
+        self._drop_prefix_copies()
+        self._prefixes = []
+
+    def _drop_prefix_copies(self) -> None:
+        for prefix in self._prefixes:
+            for copy in prefix.copies.values():
+                self.pages.drop(copy)
+            prefix.copies = {}
+
+    def _params_changed(self) -> bool:
+        leaves = jax.tree.leaves(self.params)
+        same = len(leaves) == len(self._prefix_params) and all(r() is x for r, x in zip(self._prefix_params, leaves))
+        self._prefix_params = [weakref.ref(x) for x in leaves]
+        return not same
+
+    def _place(self, seq: PagedSeq) -> None:
+        """Choose a shard for a sequence without pages, on a shared prefix's pages if one matches."""
+        tokens = seq.queued
+        prefix = max((p for p in self._prefixes if p.matches(tokens)), key=lambda p: p.full_tokens, default=None)
+        if prefix is not None:
+            if self._params_changed():
+                self._drop_prefix_copies()
+            if not prefix.copies:
+                self._compute_prefix(prefix)
+        if prefix is None or not prefix.copies:
+            self.pages.place(seq)
+            return
+        shard = self.pages.emptiest(sorted(prefix.copies))
+        self.pages.adopt(seq, shard, prefix.copies[shard].pages, prefix.tokens[: prefix.full_tokens])
+        self.stats["prefix_hits"] += 1
+
+    def _compute_prefix(self, prefix: SharedPrefix) -> None:
+        """One copy per shard with room, all extended by one batched extend."""
+        copies = {}
+        for shard in range(self.spec.pool.num_shards):
+            seq = PagedSeq(priority=-1, queued=list(prefix.tokens[: prefix.full_tokens]), shard=shard)
+            if self.pages.grow(seq, prefix.full_tokens):
+                copies[shard] = seq
+        self._extend(list(copies.values()), keep_last=False)
+        prefix.copies = copies
+        self.stats["prefix_prefill_tokens"] += prefix.full_tokens * len(copies)
+
+    # ------------------------------------------------------------------ pages
+    def _victims(self, seq: PagedSeq, idle_any: bool) -> list[PagedSeq]:
+        """Who gives up pages for `seq`, in order: conversations waiting on a user or a tool
+        (all of them if `idle_any`, else only those opened after `seq`), newest first; then
+        shared-prefix copies; then generating conversations opened after `seq`, newest first."""
+        newest_first = sorted(self._slots.values(), key=lambda s: -s.seq.priority)
+        idle = [s.seq for s in newest_first if s.sampling is None and (idle_any or s.seq.priority > seq.priority)]
+        copies = [c for p in self._prefixes for c in p.copies.values() if c.shard == seq.shard]
+        running = [s.seq for s in newest_first if s.sampling is not None and s.seq.priority > seq.priority]
+        return idle + copies + running
+
+    def _room(self, seq: PagedSeq, tokens: int, idle_any: bool) -> bool:
+        """Make the sequence hold `tokens` tokens, preempting others if it must."""
+        if seq.shard is None:
+            self._place(seq)
+        ok = self.pages.grow(seq, tokens)
+        if not ok:
+            for victim in self.pages.preempt_for(seq, tokens, self._victims(seq, idle_any)):
+                for prefix in self._prefixes:  # a dropped copy is no longer computed
+                    prefix.copies = {s: c for s, c in prefix.copies.items() if c is not victim}
+            ok = self.pages.grow(seq, tokens)
+        self.stats["preemptions"] = self.pages.preemptions
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.pool.in_use)
+        return ok
+
     # ------------------------------------------------------------------ generation
     def start(self, slot: int, sampling: SamplingParams) -> None:
         state = self._get(slot)
-        if not state.queued:
+        if not state.seq.queued:
             raise RuntimeError(f"slot {slot}: nothing to generate from (append a generation prompt first)")
-        if state.length + len(state.queued) >= self.max_len:
+        if self.length(slot) >= self.max_len:
             raise ValueError(f"slot {slot}: the context ({self.max_len} tokens) is full")
         state.sampling = sampling
         state.tokens, state.logprobs = [], []
 
     def step(self) -> list[Generation]:
-        """Extend what must be extended, run one decode chunk; return the generations that finished."""
-        running = sorted(s for s, st in self._slots.items() if st.sampling is not None)
-        if not running:
+        """Give pages to the generating conversations (oldest first), extend what must be
+        extended, run one decode chunk; return the generations that finished."""
+        running = sorted((s for s in self._slots.values() if s.sampling is not None), key=lambda s: s.seq.priority)
+        ready = []
+        for state in running:
+            seq = state.seq
+            cached = seq.length + len(seq.queued) - 1  # after the extend; the last token is fed by decode
+            allowance = min(self.decode_chunk, state.sampling.max_new_tokens - len(state.tokens), self.max_len - cached)
+            if self._room(seq, cached + allowance, idle_any=True) or self._room(seq, cached + 1, idle_any=True):
+                ready.append((state, min(allowance, len(seq.pages) * self.page_size - cached)))
+        ready = [(state, limit) for state, limit in ready if state.seq.pages]  # not preempted since
+        if not ready:
             return []
-        self.flush(running, keep_last=True)
-        return self._decode(running)
+        self._extend([state.seq for state, _ in ready], keep_last=True)
+        return self._decode(ready)
 
     def generate(self, slots: Sequence[int], sampling: SamplingParams | Sequence[SamplingParams]) -> dict[int, Generation]:
         """Start `slots` and step until all of them finish (other running slots advance too)."""
@@ -187,48 +297,58 @@ class Engine:
         return {s: done[s] for s in slots}
 
     def flush(self, slots: Iterable[int] | None = None, *, keep_last: bool = False) -> None:
-        """Write queued tokens into the cache (all of them, or all but the last)."""
-        slots = sorted(self._slots if slots is None else slots)
-        todo = {}
-        for slot in slots:
-            state = self._slots[slot]
-            count = len(state.queued) - (1 if keep_last else 0)
-            if count > 0:
-                todo[slot] = count
-        while todo:
-            width = _bucket(max(todo.values()), self.extend_widths)
-            group = sorted(todo)[: self.num_slots]
-            rows = self._rows(group)
-            tokens = np.zeros((len(rows), width), np.int32)
-            num_new = np.zeros((len(rows),), np.int32)
-            for i, slot in enumerate(group):
-                state = self._slots[slot]
-                n = min(todo[slot], width)
-                tokens[i, :n] = state.queued[:n]
-                num_new[i] = n
-                del state.queued[:n]
-                state.length += n
-                todo[slot] -= n
-                if todo[slot] == 0:
-                    del todo[slot]
-            self.stats["extend_tokens"] += int(num_new.sum())
+        """Write queued tokens into the cache (all of them, or all but the last). A conversation
+        that cannot get pages without preempting older ones keeps its tokens queued."""
+        states = sorted((self._get(s) for s in (self._slots if slots is None else slots)), key=lambda s: s.seq.priority)
+        seqs = []
+        for state in states:
+            seq = state.seq
+            count = len(seq.queued) - (1 if keep_last else 0)
+            if count > 0 and self._room(seq, seq.length + count, idle_any=False):
+                seqs.append(seq)
+        self._extend([seq for seq in seqs if seq.pages], keep_last)
+
+    def _extend(self, seqs: Sequence[PagedSeq], keep_last: bool) -> None:
+        for batch in batching.extend_batches(seqs, keep_last, self.spec.pool, self.extend_widths,
+                                             self.batch_buckets, self.max_extend_tokens, self.pages):
+            self.stats["extend_tokens"] += int(batch.num_new.sum())
             self.stats["extend_calls"] += 1
-            self._run(self._extend_fn, jnp.asarray(rows), jnp.asarray(tokens), jnp.asarray(num_new))
+            args = (batch.page_table, batch.lengths, batch.tokens, batch.num_new)
+            self._run(self._programs.extend, args, dense_pages=batch.dense_pages)
 
-    def _rows(self, slots: Sequence[int]) -> np.ndarray:
-        size = _bucket(len(slots), self.batch_buckets)
-        rows = np.full((size,), self.num_slots, np.int32)  # padding row: reads clamp, writes drop
-        rows[: len(slots)] = slots
-        return rows
+    def _decode(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
+        rows = batching.decode_rows(ready, self.spec.pool, self.batch_buckets, self.pages)
+        out = self._run(self._programs.decode, rows.arrays, dense_pages=rows.dense_pages)
+        tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
+        self.stats["decode_calls"] += 1
+        self.stats["decode_steps"] += int(counts.max())
+        finished = []
+        slot_of = {id(state): slot for slot, state in self._slots.items()}
+        for i, state in enumerate(rows.order):
+            if state is None:
+                continue
+            seq, k = state.seq, int(counts[i])
+            if k:  # the fed token and every sampled token but the newest went into the cache
+                seq.cached.append(seq.queued[-1])
+                seq.cached.extend(int(t) for t in tokens[i, : k - 1])
+                seq.queued = [int(tokens[i, k - 1])]
+            state.tokens.extend(int(t) for t in tokens[i, :k])
+            state.logprobs.extend(float(x) for x in logprobs[i, :k])
+            self.stats["decode_tokens"] += k
+            if reasons[i]:
+                slot = slot_of[id(state)]
+                finished.append(Generation(slot, state.tokens, state.logprobs, FINISH_REASONS[int(reasons[i])]))
+                state.sampling = None
+        return finished
 
-    def _run(self, fn, *args):
+    def _run(self, program, row_arrays: tuple, **static):
         start = time.perf_counter()
-        if fn is self._reset_fn:
-            self.cache = fn(self.cache, *args)
-            out = None
+        args = batching.to_device(row_arrays, self.spec.pool)
+        if program is self._programs.decode:
+            self.pool, out = program(self.params, self.pool, self._layer_views(), *args, self._stop_ids, **static)
         else:
-            self.cache, out = fn(self.params, self.cache, *args)
-        jax.block_until_ready(self.cache.lengths)
+            self.pool, out = program(self.params, self.pool, *args, **static), None
+        jax.block_until_ready(self.pool)
         self.stats["device_s"] += time.perf_counter() - start
         return out
 
@@ -239,110 +359,14 @@ class Engine:
         decode step would copy all the layer weights. On a single CPU device a numpy view
         of one layer, put on the device, shares the parameter's memory instead. Made per
         call and dropped after it: a live view would stop a train step from donating the
-        params. Elsewhere (a mesh, an accelerator) the decode step scans the stacked layers."""
+        params. Elsewhere (a mesh, an accelerator, the Pallas path) the decode step scans
+        the stacked layers."""
         leaves, treedef = jax.tree.flatten(self.params["layers"])
-        if self.mesh is not None or not all(isinstance(x, jax.Array) and len(x.devices()) == 1
-                                            and next(iter(x.devices())).platform == "cpu" for x in leaves):
+        if self.mesh is not None or self.attention != "reference" or not all(
+                isinstance(x, jax.Array) and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu"
+                for x in leaves):
             return None
         hosts, layers = [np.asarray(x) for x in leaves], self.cfg.num_layers
         # one device_put for all the views: per-array calls cost ~2x as much host time
         flat = jax.device_put([h[i] for i in range(layers) for h in hosts], next(iter(leaves[0].devices())))
         return [treedef.unflatten(flat[i * len(hosts):(i + 1) * len(hosts)]) for i in range(layers)]
-
-    def _decode(self, running: list[int]) -> list[Generation]:
-        rows = self._rows(running)
-        n = len(rows)
-        last = np.zeros((n,), np.int32)
-        seeds = np.zeros((n,), np.uint32)
-        temperature = np.ones((n,), np.float32)
-        top_p = np.ones((n,), np.float32)
-        top_k = np.zeros((n,), np.int32)
-        budget = np.zeros((n,), np.int32)
-        for i, slot in enumerate(running):
-            state = self._slots[slot]
-            sp = state.sampling
-            last[i] = state.queued[-1]
-            seeds[i] = state.seed
-            temperature[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
-            budget[i] = sp.max_new_tokens - len(state.tokens)
-        host_args = (rows, last, seeds, temperature, top_p, top_k, budget, self.stop_ids)
-        out = self._run(self._decode_fn, self._layer_views(), *(jnp.asarray(a) for a in host_args))
-        tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
-        self.stats["decode_calls"] += 1
-        self.stats["decode_steps"] += int(counts.max())
-        finished = []
-        for i, slot in enumerate(running):
-            state = self._slots[slot]
-            k = int(counts[i])
-            if k:
-                state.length += 1  # the fed token went into the cache
-                state.length += k - 1  # so did every sampled token but the newest
-                state.queued = [int(tokens[i, k - 1])]
-            state.tokens.extend(int(t) for t in tokens[i, :k])
-            state.logprobs.extend(float(x) for x in logprobs[i, :k])
-            self.stats["decode_tokens"] += k
-            if reasons[i]:
-                finished.append(Generation(slot, state.tokens, state.logprobs, FINISH_REASONS[int(reasons[i])]))
-                state.sampling = None
-        return finished
-
-
-# ---------------------------------------------------------------------- device programs
-
-
-def _reset_lengths(cache: KVCache, rows):
-    return cache._replace(lengths=cache.lengths.at[rows].set(0, mode="drop"))
-
-
-def _extend(cfg, shardings, params, cache, rows, tokens, num_new):
-    sub = kv_cache.take_rows(cache, rows)
-    # only the cache is wanted: returning the hidden state lets XLA drop the LM head
-    _, sub = forward(params, cfg, tokens, cache=sub, num_new=num_new, return_hidden=True)
-    return kv_cache.constrain(kv_cache.put_rows(cache, rows, sub), shardings), None
-
-
-def _decode_chunk(cfg, steps, shardings, params, cache, layer_params, rows, last, seeds, temperature, top_p, top_k,
-                  budget, stop_ids):
-    """Up to `steps` decode steps for the rows; stops early once every row is done.
-
-    With `layer_params` (per-layer weight buffers, see `Engine._layer_views`) the rows'
-    cache is also taken per layer and the layers run unrolled, so a step slices nothing
-    out of a stacked array (see `forward`). Without, the layer scan over the stacked
-    params and cache, which accelerators read in place."""
-    per_layer = layer_params is not None
-    sub = (kv_cache.take_layer_rows if per_layer else kv_cache.take_rows)(cache, rows)
-    batch = rows.shape[0]
-    max_len = cache.max_len
-    keys = jax.vmap(jax.random.key)(seeds)
-    active = (rows < cache.lengths.shape[0]) & (budget > 0) & (sub.lengths < max_len)
-    out_tokens = jnp.zeros((batch, steps), jnp.int32)
-    out_logprobs = jnp.zeros((batch, steps), jnp.float32)
-    counts = jnp.zeros((batch,), jnp.int32)
-    # a row that cannot even write its fed token has run out of context
-    reasons = jnp.where((rows < cache.lengths.shape[0]) & (sub.lengths >= max_len), 3, 0).astype(jnp.int32)
-
-    def cond(carry):
-        step, _, active, *_ = carry
-        return (step < steps) & jnp.any(active)
-
-    def body(carry):
-        step, sub, active, last, out_tokens, out_logprobs, counts, reasons = carry
-        logits, sub = forward(params, cfg, last[:, None], cache=sub, num_new=active.astype(jnp.int32),
-                              logits_index=jnp.zeros((batch, 1), jnp.int32), layer_params=layer_params)
-        # a conversation's key depends only on its seed and the position being sampled
-        step_keys = jax.vmap(jax.random.fold_in)(keys, sub.lengths)
-        token, logprob = sample_tokens(logits[:, 0], step_keys, temperature, top_p, top_k)
-        out_tokens = out_tokens.at[:, step].set(jnp.where(active, token, 0))
-        out_logprobs = out_logprobs.at[:, step].set(jnp.where(active, logprob, 0.0))
-        counts = counts + active
-        hit_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
-        reason = jnp.where(hit_stop, 1, jnp.where(counts >= budget, 2, jnp.where(sub.lengths >= max_len, 3, 0)))
-        reasons = jnp.where(active, reason, reasons)
-        last = jnp.where(active, token, last)
-        return step + 1, sub, active & (reason == 0), last, out_tokens, out_logprobs, counts, reasons
-
-    carry = (jnp.int32(0), sub, active, last, out_tokens, out_logprobs, counts, reasons)
-    _, sub, _, _, out_tokens, out_logprobs, counts, reasons = jax.lax.while_loop(cond, body, carry)
-    cache = kv_cache.constrain((kv_cache.put_layer_rows if per_layer else kv_cache.put_rows)(cache, rows, sub),
-                               shardings)
-    return cache, (out_tokens, out_logprobs, counts, reasons)

@@ -1,73 +1,189 @@
-"""The engine's KV cache: one row per slot, allocated once, sharded over slots and kv heads.
+"""The paged KV pool on device, and the shard-local moves between pages and a dense cache.
 
-Work on a subset of slots happens on a compact copy of their rows (`take_rows`), written
-back afterwards (`put_rows`), so that slots waiting on a user or a tool cost nothing.
-Row index `num_slots` is the padding row of a bucketed batch: reads of it are clamped,
-writes to it are dropped.
+The pool is one array `[layers, pages, page_size, 2 * kv_heads, head_dim]`, keys and values
+interleaved on the head axis (key of head h at 2h, value at 2h + 1): the layout jax's
+ragged paged attention kernel reads, so the TPU path attends over it in place.
+
+Sharding: the page axis over the mesh's data-parallel axes (data, fsdp), each device
+group holding one shard of `pages_per_shard` consecutive pages (see pages.py); the head
+axis over `tensor` when the kv heads divide evenly (else replicated on it). Every access by
+a page id runs inside `shard_map` on shard-local ids and the rows of that shard, so no
+program gathers or scatters the pool across devices. (Indexing a sharded array with a
+runtime index outside shard_map makes XLA all-gather the whole array first.)
+
+Batches are laid out by shard: a batch of R rows holds R / num_shards rows per shard,
+rows of shard s first-to-last at [s * R / num_shards, (s + 1) * R / num_shards).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from muajax import parallel
-from muajax.models.qwen3 import CACHE_AXES, KVCache, Qwen3Config, cache_shape
+from muajax.models.qwen3 import KVCache, Qwen3Config
 
 
-def cache_shardings(cfg: Qwen3Config, num_slots: int, max_len: int, mesh: Mesh) -> KVCache:
-    shape = cache_shape(cfg, num_slots, max_len)
-    kv = NamedSharding(mesh, parallel.logical_to_spec(shape, CACHE_AXES, mesh))
-    lengths = NamedSharding(mesh, parallel.logical_to_spec((num_slots,), ("cache_batch",), mesh))
-    return KVCache(kv, kv, lengths)
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """Static shape and layout of the pool (hashable: a jit static argument)."""
+
+    cfg: Qwen3Config
+    mesh: Mesh | None
+    pages_per_shard: int
+    page_size: int
+    max_pages: int  # page-table width: the pages of one max_len sequence
+
+    @property
+    def num_shards(self) -> int:
+        return 1 if self.mesh is None else parallel.batch_divisor(self.mesh)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...] | None:
+        return None if self.mesh is None else parallel.BATCH_AXES
+
+    @property
+    def head_axis(self) -> str | None:
+        """`tensor` if it splits the kv heads (and so whole key/value pairs) evenly."""
+        if self.mesh is None or self.mesh.shape["tensor"] == 1:
+            return None
+        return "tensor" if self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0 else None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        c = self.cfg
+        return (c.num_layers, self.num_shards * self.pages_per_shard, self.page_size, 2 * c.num_kv_heads, c.head_dim)
+
+    @property
+    def tokens(self) -> int:
+        return self.num_shards * self.pages_per_shard * self.page_size
+
+    def pool_spec(self) -> P:
+        return P(None, self.batch_axes, None, self.head_axis, None)
+
+    def rows_spec(self, ndim: int = 1) -> P:
+        return P(self.batch_axes, *([None] * (ndim - 1)))
+
+    def heads_spec(self, ndim: int, head_dim: int) -> P:
+        """Rows over the batch axes and dimension `head_dim` over the head axis."""
+        spec = [self.batch_axes] + [None] * (ndim - 1)
+        spec[head_dim] = self.head_axis
+        return P(*spec)
+
+    def sharding(self, spec: P) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, spec)
+
+    def local(self, fn, in_specs, out_specs):
+        """`fn` on each shard's block (shard_map), or `fn` itself without a mesh."""
+        if self.mesh is None:
+            return fn
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def allocate(cfg: Qwen3Config, num_slots: int, max_len: int, mesh: Mesh | None, dtype=None) -> KVCache:
-    dtype = cfg.compute_dtype if dtype is None else dtype
-    shape = cache_shape(cfg, num_slots, max_len)
-
-    def zeros():
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((num_slots,), jnp.int32))
-
-    if mesh is None:
-        return jax.jit(zeros)()
-    return jax.jit(zeros, out_shardings=cache_shardings(cfg, num_slots, max_len, mesh))()
+def allocate(spec: PoolSpec) -> jax.Array:
+    zeros = functools.partial(jnp.zeros, spec.shape, spec.cfg.compute_dtype)
+    return jax.jit(zeros, out_shardings=spec.sharding(spec.pool_spec()))()
 
 
-def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
-    return KVCache(
-        jnp.take(cache.k, rows, axis=1, mode="clip"),
-        jnp.take(cache.v, rows, axis=1, mode="clip"),
-        jnp.take(cache.lengths, rows, axis=0, mode="clip"),
-    )
+def abstract_pool(spec: PoolSpec) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(spec.shape, spec.cfg.compute_dtype, sharding=spec.sharding(spec.pool_spec()))
 
 
-def take_layer_rows(cache: KVCache, rows: jax.Array) -> KVCache:
-    """`take_rows`, as a per-layer cache (`KVCache.per_layer`): one buffer per layer."""
-    def take(stacked):
-        return tuple(jnp.take(stacked[i], rows, axis=0, mode="clip") for i in range(stacked.shape[0]))
-
-    return KVCache(take(cache.k), take(cache.v), jnp.take(cache.lengths, rows, axis=0, mode="clip"))
+# ---------------------------------------------------------------------- shard-local pieces
 
 
-def put_layer_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:
-    def put(stacked, layers):
-        for i, layer in enumerate(layers):
-            stacked = stacked.at[i, rows].set(layer, mode="drop")
-        return stacked
-
-    return KVCache(put(cache.k, sub.k), put(cache.v, sub.v), cache.lengths.at[rows].set(sub.lengths, mode="drop"))
+def interleave(k: jax.Array, v: jax.Array) -> jax.Array:
+    """[..., K, H] keys and values -> [..., 2K, H] in the pool's head order."""
+    return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
-def put_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:
-    return KVCache(
-        cache.k.at[:, rows].set(sub.k, mode="drop"),
-        cache.v.at[:, rows].set(sub.v, mode="drop"),
-        cache.lengths.at[rows].set(sub.lengths, mode="drop"),
-    )
+def token_slots(page_table: jax.Array, start: jax.Array, count: jax.Array, width: int, num_pages: int,
+                page_size: int) -> jax.Array:
+    """Flat slot (page * page_size + offset) of positions start + [0, width) of each row;
+    positions past `count` get an out-of-range slot (their writes are dropped)."""
+    offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
+    positions = start[:, None] + offsets
+    index = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    pages = jnp.take_along_axis(page_table, index, axis=1)
+    slots = pages * page_size + positions % page_size
+    return jnp.where(offsets < count[:, None], slots, num_pages * page_size)
 
 
-def constrain(cache: KVCache, shardings: KVCache | None) -> KVCache:
-    if shardings is None:
-        return cache
-    return KVCache(*(jax.lax.with_sharding_constraint(x, s) for x, s in zip(cache, shardings)))
+def put_tokens(pool: jax.Array, layer, kv: jax.Array, slots: jax.Array) -> jax.Array:
+    """Write `kv` [(layers,) R, W, 2K, H] at `slots` [R, W] of layer `layer` (an index, or
+    `slice(None)` for all layers at once). Out-of-range slots are dropped. In place when the
+    pool is donated."""
+    layers, pages, size, heads, dim = pool.shape
+    flat = pool.reshape(layers, pages * size, heads, dim)
+    rows = slots.reshape(-1)
+    values = kv.reshape(*kv.shape[:-4], rows.shape[0], heads, dim).astype(pool.dtype)
+    return flat.at[layer, rows].set(values, mode="drop").reshape(pool.shape)
+
+
+def _gather_local(dense_pages: int, per_layer: bool, pool, page_table, lengths) -> KVCache:
+    layers, pages, size, heads, dim = pool.shape
+    rows, kv_heads = page_table.shape[0], heads // 2
+    flat = pool.reshape(layers * pages, size, heads, dim)  # a bitcast: no layer is sliced out
+    index = page_table[:, :dense_pages]
+
+    def split(g):  # [..., R, n, S, 2K, H] -> k, v [..., R, K, n * S, H]
+        g = g.reshape(*g.shape[:-5], rows, dense_pages * size, kv_heads, 2, dim)
+        return tuple(jnp.swapaxes(g[..., j, :], -2, -3) for j in (0, 1))
+
+    if per_layer:
+        ks, vs = zip(*(split(flat[index + i * pages]) for i in range(layers)))
+        return KVCache(tuple(ks), tuple(vs), lengths)
+    k, v = split(flat[index[None] + (jnp.arange(layers, dtype=jnp.int32) * pages)[:, None, None]])
+    return KVCache(k, v, lengths)
+
+
+def _scatter_local(width: int, page_size: int, pool, dense: KVCache, page_table, start, count):
+    positions = jnp.clip(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, dense.max_len - 1)
+    if dense.per_layer:  # [R, K, D, H] per layer
+        pick = lambda x: jnp.take_along_axis(x, positions[:, None, :, None], axis=2)
+        k, v = jnp.stack([pick(x) for x in dense.k]), jnp.stack([pick(x) for x in dense.v])
+    else:  # [L, R, K, D, H]
+        pick = lambda x: jnp.take_along_axis(x, positions[None, :, None, :, None], axis=3)
+        k, v = pick(dense.k), pick(dense.v)
+    kv = interleave(jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3))  # [L, R, W, 2K, H]
+    slots = token_slots(page_table, start, count, width, pool.shape[1], page_size)
+    return put_tokens(pool, slice(None), kv, slots)
+
+
+# ---------------------------------------------------------------------- whole-mesh entry points
+
+
+def dense_spec(spec: PoolSpec, per_layer: bool) -> KVCache:
+    kv = spec.heads_spec(4, 1) if per_layer else P(None, spec.batch_axes, spec.head_axis, None, None)
+    layers = spec.cfg.num_layers
+    return KVCache((kv,) * layers if per_layer else kv, (kv,) * layers if per_layer else kv, spec.rows_spec())
+
+
+def gather_dense(spec: PoolSpec, pool, page_table, lengths, dense_pages: int, per_layer: bool = False) -> KVCache:
+    """The first `dense_pages` pages of every row as a dense cache (`KVCache`, lengths =
+    `lengths`): keys and values [layers, R, K, dense_pages * page_size, H], or per layer."""
+    fn = functools.partial(_gather_local, dense_pages, per_layer)
+    rows = spec.rows_spec()
+    return spec.local(fn, (spec.pool_spec(), spec.rows_spec(2), rows), dense_spec(spec, per_layer))(
+        pool, page_table, lengths)
+
+
+def scatter_dense(spec: PoolSpec, pool, dense: KVCache, page_table, start, count, width: int):
+    """Write positions [start, start + count) (count <= width) of each row of `dense` into its pages."""
+    fn = functools.partial(_scatter_local, width, spec.page_size)
+    rows = spec.rows_spec()
+    in_specs = (spec.pool_spec(), dense_spec(spec, dense.per_layer), spec.rows_spec(2), rows, rows)
+    return spec.local(fn, in_specs, spec.pool_spec())(pool, dense, page_table, start, count)
+
+
+def read_tokens(pool: jax.Array, spec: PoolSpec, shard: int, pages, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values [layers, K, count, H] of a sequence's first `count` tokens (tests, debugging)."""
+    host = np.asarray(jax.device_get(pool))
+    ids = np.asarray(pages, np.int64) + shard * spec.pages_per_shard
+    tokens = host[:, ids].reshape(host.shape[0], -1, host.shape[3], host.shape[4])[:, :count]
+    return tokens[:, :, 0::2].transpose(0, 2, 1, 3), tokens[:, :, 1::2].transpose(0, 2, 1, 3)

@@ -167,6 +167,7 @@ class AttentionContext(NamedTuple):
     write_index [B, T]: where each new token's k/v goes in the cache (out of range = dropped).
     cos, sin [B, T, head_dim]: rotary tables at the queries' absolute positions.
     segment_ids [B, T]: without a cache, attention stays within equal ids (packing, padding).
+    pages: whatever a `cache_attention` hook reads (e.g. a paged cache's page tables); None otherwise.
     """
 
     q_index: jax.Array | None
@@ -175,6 +176,7 @@ class AttentionContext(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     segment_ids: jax.Array | None = None
+    pages: Any = None
 
 
 def _param(module: nn.Module, name: str, shape, axes, init):
@@ -192,7 +194,12 @@ class LayerCarry(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
+    """`cache_attention`, if set, replaces the cache write and the attention: called as
+    `(q [B,T,N,H], k, v [B,T,K,H], cache, layer index, ctx) -> (out [B,T,N,H], cache)` with the
+    cache carried through the layers (`in_place`); a paged cache (muajax.engine) plugs in here."""
+
     cfg: Qwen3Config
+    cache_attention: Any = None
 
     @nn.compact
     def __call__(self, carry: LayerCarry, layer_cache: tuple[jax.Array, jax.Array] | None, ctx: AttentionContext):
@@ -226,7 +233,9 @@ class DecoderLayer(nn.Module):
         kk = apply_rope(rms_norm(kk, k_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
 
         new_cache = None
-        if stacked is not None:
+        if self.cache_attention is not None:
+            attn, stacked = self.cache_attention(q, kk, vv, stacked, carry.layer, ctx)
+        elif stacked is not None:
             stacked = _write_stacked(stacked, carry.layer, kk, vv, ctx.write_index)
             keys, values = (jax.lax.dynamic_index_in_dim(c, carry.layer, 0, keepdims=False).astype(dt)
                             for c in stacked)
@@ -236,9 +245,9 @@ class DecoderLayer(nn.Module):
             keys, values = keys.astype(dt), values.astype(dt)
         else:
             keys, values = kk.transpose(0, 2, 1, 3), vv.transpose(0, 2, 1, 3)
-
-        attn = attention(q, keys, values, implementation=cfg.attention, segment_ids=ctx.segment_ids,
-                         q_index=ctx.q_index, kv_valid=ctx.kv_valid)
+        if self.cache_attention is None:
+            attn = attention(q, keys, values, implementation=cfg.attention, segment_ids=ctx.segment_ids,
+                             q_index=ctx.q_index, kv_valid=ctx.kv_valid)
         x = x + jnp.einsum("BTNH,NHD->BTD", attn, wo.astype(dt))
         x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
@@ -287,6 +296,7 @@ class Qwen3(nn.Module):
     """
 
     cfg: Qwen3Config
+    cache_attention: Any = None  # see DecoderLayer
 
     @nn.compact
     def __call__(self, tokens, ctx: AttentionContext, cache_kv, logits_index=None, return_hidden=False,
@@ -313,7 +323,7 @@ class Qwen3(nn.Module):
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
+        )(cfg, self.cache_attention, name="layers")
         if layer_params is not None:  # unrolled over per-layer weights and caches (see `forward`)
             new_cache = ([], [])
             for index, (weights, k, v) in enumerate(zip(layer_params, *cache_kv)):

@@ -58,6 +58,10 @@ class GRPOConfig(Checked):
     # Padded lengths of the rollout batches, one compilation of the step each: a batch takes
     # the shortest that holds its longest rollout. None: 512 doubled up to rollout.max_context.
     length_buckets: tuple[int, ...] | None = None
+    # More than this many steps in a row with a non-finite loss or gradient (each such
+    # update is dropped) stops the run after a checkpoint: the cause (a learning rate, a
+    # poisoned batch, params gone NaN) will not fix itself. null: never stop.
+    max_consecutive_skips: int | None = bounded(3, ge=0)
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",

@@ -29,8 +29,10 @@ class ServeOptions:
     max_json_depth: int = 128  # deeper JSON (tool-call arguments included) gets 400
 
 
-def build_service(opts: ServeOptions) -> tuple[Policy, ChatService]:
-    policy = load_policy(opts.checkpoint, stage=opts.stage, step=opts.step, dtype=opts.dtype)
+def build_service(opts: ServeOptions, policy: Policy | None = None) -> tuple[Policy, ChatService]:
+    """The service for `opts` (`policy`: already loaded from opts.checkpoint, else loaded here)."""
+    if policy is None:
+        policy = load_policy(opts.checkpoint, stage=opts.stage, step=opts.step, dtype=opts.dtype)
     max_len = min(opts.max_len, policy.model_cfg.max_position_embeddings)
     engine = make_engine(policy, num_slots=opts.slots, max_len=max_len, decode_chunk=opts.decode_chunk)
     if opts.warmup:

@@ -1,9 +1,15 @@
-"""`python -m muajax.train [--config FILE] [--resume] [key=value ...]`: cold-start SFT, then GRPO.
+"""`python -m muajax.train [--config FILE] [--resume[=auto]] [--allow-config-change] [key=value ...]`:
+cold-start SFT, then GRPO.
 
 With no arguments it runs the embedded CPU default (configs/embedded-cpu.yaml): a tiny
 Qwen3-architecture model on the built-in shop domain with the scripted user, offline.
 It prints held-out success and the confirm-before-write rate after SFT and after GRPO,
 and ends with one JSON line of its figures.
+
+Exit codes: 0 done; 2 a problem with the config or the resume, found before any file is
+written (a bad key, no checkpoint for --resume, a saved config that differs in the math,
+a checkpoint that does not fit, a missing API key); 1 the run stopped (a checkpoint that
+cannot be read, too many non-finite steps), with a message.
 """
 from __future__ import annotations
 
@@ -19,7 +25,10 @@ import numpy as np
 from muajax.config.loader import dump_yaml
 from muajax.config.schema import ConfigError, load_config
 from muajax.domains.registry import DomainConfigError
+from muajax.train.checkpoint import CheckpointError
 from muajax.train.distributed import maybe_initialize_distributed
+from muajax.train.loop import TrainingStopped
+from muajax.train.resume import ResumeError
 from muajax.train.trainer import Trainer
 
 EMBEDDED_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
@@ -29,9 +38,20 @@ EMBEDDED_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m muajax.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help=f"YAML run config (default: {os.path.relpath(EMBEDDED_DEFAULT)})")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--resume", nargs="?", const="required", metavar="auto",
+                        help="continue from the run's latest checkpoint (it must exist); --resume=auto starts fresh "
+                             "when there is none")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume even though the config differs from the checkpoint's in keys that change the math")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.learning_rate=2e-6")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.resume not in (None, "required", "auto"):
+        if "=" not in args.resume:
+            parser.error(f"--resume takes no value or '=auto', got {args.resume!r}")
+        args.overrides.insert(0, args.resume)  # `--resume key=value`: the override was taken as its value
+        args.resume = "required"
+    args.resume = args.resume or False
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,11 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     if jax.process_index() == 0:
         print(f"# muajax.train config ({path})\n{dump_yaml(cfg)}", flush=True)
     try:
-        trainer = Trainer(cfg, resume=args.resume, start_time=start)
-    except (ConfigError, DomainConfigError) as exc:  # what only the files can tell: a checkpoint that does not fit the run
+        trainer = Trainer(cfg, resume=args.resume, allow_config_change=args.allow_config_change, start_time=start)
+    except (ConfigError, DomainConfigError) as exc:
         print(f"muajax.train: config error: {exc}", file=sys.stderr)
         return 2
-    summary = trainer.run()
+    except ResumeError as exc:  # what only the files can tell: no checkpoint, another config, other shapes
+        print(f"muajax.train: cannot resume: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = trainer.run()
+    except CheckpointError as exc:  # unreadable (not corrupt), or nothing valid left: nothing was moved
+        print(f"muajax.train: checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except TrainingStopped as exc:
+        print(f"muajax.train: {exc}", file=sys.stderr, flush=True)
+        return 1
     if jax.process_index() == 0:
         print(json.dumps(summary, default=_jsonable), flush=True)
     return 0

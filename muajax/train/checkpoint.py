@@ -2,20 +2,21 @@
 
 A step directory holds two orbax items: `state` (the train-state pytree: params and
 optimizer state, possibly sharded) and `meta` (JSON: step, RNG key data, position in the
-task stream, the run config, plus a fingerprint of every array leaf).
+task stream, the run config, plus a fingerprint of every array leaf, see
+`muajax.train.checkpoint_records`).
 
-Why the fingerprints: orbax saves atomically (a `<step>.orbax-checkpoint-tmp` directory,
-renamed once every item is written, and unfinalized directories are never listed), and it
-notices truncated or missing files, but bytes overwritten inside an array chunk restore
-silently as wrong numbers. A per-leaf uint32 hash computed on device at save time and
-re-checked after restore turns that into a detected corruption. The hash is a wrapping
-integer sum, so it does not depend on how the array is sharded.
+Orbax saves atomically (a `<step>.orbax-checkpoint-tmp` directory, renamed once every
+item is written, and unfinalized directories are never listed); the fingerprints catch
+bytes changed inside an array chunk, which would otherwise restore as wrong numbers.
 
-`restore_latest` walks back from the newest step: a checkpoint whose metadata or arrays
-cannot be read, or whose fingerprints disagree, is skipped with a warning, and once an
-older one restores, the bad newer ones are moved to `<dir>/corrupt/` (never deleted) so
-the run can save those step numbers again. A mismatch between the caller's abstract state
-and what was saved is a caller error and raises instead of falling back.
+`restore_latest` walks back from the newest step. A checkpoint whose content is wrong (a
+fingerprint mismatch, a missing or garbled file: `muajax.train.checkpoint_errors`), and
+stays wrong when read a second time, is corrupt: it is logged as an error and skipped, and
+once an older one restores, the corrupt newer ones are moved to `<dir>/corrupt/` (never
+deleted) so the run can save those step numbers again, with an error naming both steps.
+Any other failure to read (I/O, memory, sharding) raises `CheckpointReadError` and moves
+nothing: it says nothing about the checkpoint. A caller's tree that is not the saved one
+raises `CheckpointLayoutError`.
 
 The directory is an `etils.epath.Path`, orbax's own path type: a local path is made
 absolute, and a URL (`gs://`, `s3://`, ...) stays a URL, so every host of a multi-host run
@@ -27,23 +28,33 @@ epath too, so it works on either. On `gs://` orbax does not rename a temporary d
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import time
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-__all__ = ["Checkpointer", "Restored", "CheckpointError", "NoValidCheckpointError",
-           "checkpoint_path", "rng_to_json", "rng_from_json"]
+from muajax.train.checkpoint_errors import (CheckpointError, CheckpointReadError, ContentError,
+                                            NoValidCheckpointError, content_problem, first_line)
+from muajax.train.checkpoint_records import (CheckpointLayoutError, check_layout, first_unjsonable, leaf_records,
+                                             rng_from_json, rng_to_json)
+
+__all__ = ["Checkpointer", "Restored", "CheckpointError", "NoValidCheckpointError", "CheckpointReadError",
+           "CheckpointLayoutError", "checkpoint_path", "finished_steps", "read_metadata", "rng_to_json",
+           "rng_from_json"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 # orbax's marker of a finished step where it cannot rename atomically (gs://).
@@ -51,18 +62,7 @@ _COMMIT_FILE = "commit_success.txt"
 _COMMIT_FILE_PREFIXES = ("gs://",)
 _FORMAT = 1
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used."""
-
-
-class NoValidCheckpointError(CheckpointError):
-    """Checkpoints exist but none of them restores."""
-
-
-class _Corrupt(Exception):
-    pass
+_META_FILE = ("meta", "metadata")  # orbax's JsonSave writes the item `meta` to meta/metadata
 
 
 class Restored(NamedTuple):
@@ -82,95 +82,6 @@ class Restored(NamedTuple):
     @property
     def config(self) -> dict | None:
         return self.metadata.get("config")
-
-
-def rng_to_json(key: Any) -> dict | None:
-    """A JSON-able record of a `jax.random.key` (typed) or a raw uint32 `PRNGKey`."""
-    if key is None:
-        return None
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return {"data": np.asarray(jax.random.key_data(key)).tolist(), "impl": str(jax.random.key_impl(key))}
-    if key.dtype != jnp.uint32:
-        raise TypeError(f"rng must be a jax.random.key or a uint32 PRNGKey array, got dtype {key.dtype}")
-    return {"data": np.asarray(key).tolist(), "impl": None}
-
-
-def rng_from_json(record: Mapping | None) -> jax.Array | None:
-    if record is None:
-        return None
-    data = jnp.asarray(np.asarray(record["data"], dtype=np.uint32))
-    impl = record.get("impl")
-    return jax.random.wrap_key_data(data, impl=impl) if impl else data
-
-
-# ------------------------------------------------------------------ fingerprints
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _fingerprint_one(x: jax.Array) -> jax.Array:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag], axis=-1)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, unsigned)
-    if x.dtype.itemsize == 8:
-        bits = bits ^ (bits >> 32)
-    u = bits.astype(jnp.uint32)
-    # Mixing in the position makes swapped or shifted values change the sum.
-    pos = jnp.arange(u.size, dtype=jnp.uint32).reshape(u.shape)
-    h = (u ^ (pos * jnp.uint32(0x9E3779B1))) * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 15)
-    return jnp.sum(h, dtype=jnp.uint32)
-
-
-@jax.jit
-def leaf_fingerprints(leaves: list) -> list:
-    return [_fingerprint_one(x) for x in leaves]
-
-
-def _leaf_records(state: Any) -> list[dict]:
-    """[{path, shape, dtype, fp}] in flatten order; `fp` is None for non-array leaves."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    arrays = [leaf for _, leaf in flat if _is_array(leaf)]
-    fps = iter(int(v) for v in jax.device_get(leaf_fingerprints(arrays))) if arrays else iter(())
-    records = []
-    for path, leaf in flat:
-        is_arr = _is_array(leaf)
-        records.append({
-            "path": jax.tree_util.keystr(path),
-            "shape": list(np.shape(leaf)) if is_arr else None,
-            "dtype": str(leaf.dtype) if is_arr else type(leaf).__name__,
-            "fp": next(fps) if is_arr else None,
-        })
-    return records
-
-
-# ------------------------------------------------------------------ helpers
-
-def _first_unjsonable(obj: Any, path: str) -> str | None:
-    if obj is None or isinstance(obj, (str, bool, int, float)):
-        return None
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                return f"{path} (key {k!r} is not a string)"
-            bad = _first_unjsonable(v, f"{path}.{k}")
-            if bad:
-                return bad
-        return None
-    if isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            bad = _first_unjsonable(v, f"{path}[{i}]")
-            if bad:
-                return bad
-        return None
-    return f"{path} ({type(obj).__name__})"
 
 
 def _first_device() -> jax.sharding.Sharding:
@@ -220,11 +131,6 @@ def checkpoint_path(directory: str | os.PathLike) -> epath.Path:
 
 def _uses_commit_file(directory: epath.Path) -> bool:
     return str(directory).startswith(_COMMIT_FILE_PREFIXES)
-
-
-def _first_line(e: BaseException, limit: int = 300) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Checkpointer:
@@ -294,13 +200,13 @@ class Checkpointer:
         meta = {"format": _FORMAT, "step": step, "rng": rng_to_json(rng), "data_position": data_position,
                 "config": dict(config) if config is not None else None,
                 "extra": dict(extra) if extra is not None else None}
-        bad = _first_unjsonable(meta, "metadata")
+        bad = first_unjsonable(meta, "metadata")
         if bad:
             raise TypeError(f"checkpoint metadata must be JSON-serializable; {bad} is not")
         if step in self._manager.all_steps():  # in memory: includes a save still in flight
             raise CheckpointError(f"{self.directory}: a checkpoint for step {step} already exists")
         meta["saved_unix_time"] = time.time()
-        meta["leaves"] = _leaf_records(state)
+        meta["leaves"] = leaf_records(state)
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          meta=ocp.args.JsonSave(meta)), force=True)
         return True
@@ -329,84 +235,86 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
-        """Restore exactly `step` onto `abstract_state`'s shapes, dtypes and shardings."""
+        """Restore exactly `step` onto `abstract_state`'s shapes, dtypes and shardings.
+        Raises CheckpointError if it is corrupt, CheckpointReadError if it cannot be read."""
         self.wait()
         try:
             return self._restore_verified(step, abstract_state)
-        except _Corrupt as e:
+        except ContentError as e:
             raise CheckpointError(f"{self._step_dir(step)}: {e}") from None
 
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """The newest checkpoint that restores and verifies, or None if there is none.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (with the target sharding)
-        or of arrays whose shardings to use.
+        or of arrays whose shardings to use. Raises CheckpointReadError (nothing moved) when
+        a checkpoint cannot be read for a reason other than its content, and
+        NoValidCheckpointError (nothing moved) when every checkpoint is corrupt.
         """
         self.wait()
         steps = self.steps()
         if not steps:
             return None
-        problems: list[tuple[int, str]] = []
+        corrupt: list[tuple[int, str]] = []
         for step in reversed(steps):
             try:
                 restored = self._restore_verified(step, abstract_state)
-            except _Corrupt as e:
-                problems.append((step, str(e)))
-                warnings.warn(f"checkpoint {self._step_dir(step)} is unusable ({e}); "
-                              "falling back to the one before", RuntimeWarning, stacklevel=2)
+            except ContentError as e:
+                corrupt.append((step, str(e)))
+                log.error("checkpoint %s is corrupt (%s); trying the one before", self._step_dir(step), e)
                 continue
-            if problems:
-                self._quarantine([s for s, _ in problems])
+            if corrupt:
+                self._quarantine([s for s, _ in corrupt], restored.step)
             return restored
-        listing = "; ".join(f"step {s}: {why}" for s, why in problems)
-        raise NoValidCheckpointError(f"{self.directory}: no valid checkpoint left ({listing})")
+        listing = "; ".join(f"step {s}: {why}" for s, why in corrupt)
+        raise NoValidCheckpointError(f"{self.directory}: no valid checkpoint left ({listing}); nothing was moved")
 
     def _step_dir(self, step: int) -> epath.Path:
         return self.directory / str(step)
 
-    def _restore_verified(self, step: int, abstract_state: Any) -> Restored:
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - any failure to read means unusable
-            raise _Corrupt(f"metadata unreadable: {_first_line(e)}") from None
+    def _read(self, step: int, what: str, read: Callable[[], T]) -> T:
+        """`read()`, with its failure sorted: a content error that repeats on a second read
+        raises ContentError (corruption); any other raises CheckpointReadError."""
+        for attempt in (1, 2):
+            try:
+                return read()
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types; sorted below
+                problem = content_problem(e)
+                if problem is None:
+                    raise CheckpointReadError(
+                        f"{self._step_dir(step)}: reading the {what} failed with an error that is not about the "
+                        f"checkpoint's content ({first_line(e)}); stopping without moving any checkpoint. Fix the "
+                        "cause (storage, memory, devices) and resume again") from e
+                if attempt == 2:
+                    raise ContentError(f"{what}: {problem}") from None
+                log.warning("checkpoint %s: reading the %s failed (%s); reading it again", self._step_dir(step),
+                            what, problem)
+        raise AssertionError("unreachable")
+
+    def _read_meta(self, step: int) -> dict:
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if not isinstance(meta, dict) or not isinstance(meta.get("leaves"), list) or meta.get("step") != step:
-            raise _Corrupt("metadata is malformed")
+            raise ContentError("metadata is malformed")
+        return meta
+
+    def _restore_verified(self, step: int, abstract_state: Any) -> Restored:
+        meta = self._read(step, "metadata", lambda: self._read_meta(step))
         abstract = jax.tree.map(_abstract_leaf, abstract_state)
-        compare_dtype = self._check_layout(step, meta["leaves"], abstract)
-        try:
+        compare_dtype = check_layout(meta["leaves"], abstract, f"checkpoint step {step} in {self.directory}")
+
+        def arrays():
             state = self._manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for bad files
-            raise _Corrupt(f"arrays unreadable: {_first_line(e)}") from None
-        got = _leaf_records(state)
-        for want, have, same_dtype in zip(meta["leaves"], got, compare_dtype):
-            if same_dtype and want["fp"] is not None and want["fp"] != have["fp"]:
-                raise _Corrupt(f"leaf {want['path']} does not match its saved fingerprint (data changed on disk)")
-        return Restored(step, state, meta)
+            for want, have, same_dtype in zip(meta["leaves"], leaf_records(state), compare_dtype):
+                if same_dtype and want["fp"] is not None and want["fp"] != have["fp"]:
+                    raise ContentError(f"leaf {want['path']} does not match its saved fingerprint "
+                                       "(data changed on disk)")
+            return state
 
-    def _check_layout(self, step: int, saved: list[dict], abstract: Any) -> list[bool]:
-        """Raise ValueError if the requested tree is not what was saved; returns, per leaf,
-        whether the dtypes agree (a cast on restore cannot be fingerprint-checked)."""
-        flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
-        want = [jax.tree_util.keystr(p) for p, _ in flat]
-        have = [r["path"] for r in saved]
-        if want != have:
-            missing = sorted(set(have) - set(want))[:5]
-            extra = sorted(set(want) - set(have))[:5]
-            raise ValueError(f"checkpoint step {step} in {self.directory} has a different tree than "
-                             f"abstract_state: saved but not requested {missing}, requested but not saved {extra}")
-        same = []
-        for (_, leaf), rec in zip(flat, saved):
-            shape = getattr(leaf, "shape", None)
-            if rec["shape"] is not None and shape is not None and list(shape) != rec["shape"]:
-                raise ValueError(f"checkpoint step {step}: leaf {rec['path']} was saved with shape "
-                                 f"{tuple(rec['shape'])}, abstract_state asks for {tuple(shape)}")
-            dtype = getattr(leaf, "dtype", None)
-            same.append(dtype is None or str(dtype) == rec["dtype"])
-        return same
+        return Restored(step, self._read(step, "arrays", arrays), meta)
 
-    def _quarantine(self, steps: list[int]) -> None:
-        # Orbax refuses to save a step at or below the latest one on disk, so bad newer
+    def _quarantine(self, steps: list[int], resumed_from: int) -> None:
+        # Orbax refuses to save a step at or below the latest one on disk, so corrupt newer
         # steps must leave the directory; moving keeps them for a post-mortem.
         if jax.process_index() == 0:
             target = self.directory / "corrupt"
@@ -418,8 +326,29 @@ class Checkpointer:
                     # Locally a rename within the directory (one filesystem, atomic); on a
                     # bucket, fsspec copies the objects and deletes the originals.
                     src.rename(dst)
-                    warnings.warn(f"moved unusable checkpoint {src} to {dst}", RuntimeWarning, stacklevel=3)
+                    log.error("checkpoint step %d is corrupt: moved %s to %s; the run resumes from step %d",
+                              step, src, dst, resumed_from)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("muajax-checkpoint-quarantine")
         self._manager.reload()
+
+
+def finished_steps(directory: str | os.PathLike) -> list[int]:
+    """The finalized steps in a checkpoint directory, oldest first, read without creating
+    or cleaning anything (a Checkpointer's manager does both)."""
+    root = checkpoint_path(directory)
+    if not root.is_dir():
+        return []
+    commit = _uses_commit_file(root)
+    return sorted(int(p.name) for p in root.iterdir()
+                  if p.name.isdigit() and p.is_dir() and (not commit or (p / _COMMIT_FILE).exists()))
+
+
+def read_metadata(directory: str | os.PathLike, step: int) -> dict:
+    """A step's metadata (JSON), read-only; raises OSError or ValueError when unreadable."""
+    path = checkpoint_path(directory) / str(step) / _META_FILE[0] / _META_FILE[1]
+    meta = json.loads(path.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: the metadata is not a JSON object")
+    return meta

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from muajax.config.schema import TrainConfig
 from muajax.domains.base import Domain
-from muajax.domains.registry import make_domain
+from muajax.domains.registry import make_domain, make_user
 from muajax.engine.engine import Engine
 from muajax.models.qwen3 import Qwen3Config
 from muajax.train import build
@@ -37,6 +37,7 @@ class RunContext:
     resume: bool = False
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)  # figures stages report
     _engine: Engine | None = None
+    _eval_domain: Domain | None = None
 
     @property
     def run_dir(self) -> str:
@@ -50,6 +51,14 @@ class RunContext:
     @property
     def pad_id(self) -> int:
         return int(getattr(self.tok, "pad_token_id", None) or 0)
+
+    def eval_domain(self) -> Domain:
+        """The domain evaluations run on: the run's, with `eval.user` as its user when set."""
+        if self.cfg.eval.user is None:
+            return self.domain
+        if self._eval_domain is None:
+            self._eval_domain = Domain(self.domain.env, make_user(self.cfg.eval.user, self.cfg.env))
+        return self._eval_domain
 
     def eval_tasks(self) -> list:
         tasks = self.domain.env.tasks(self.cfg.env.eval_split)

@@ -28,7 +28,7 @@ from muajax.train import distributed
 from muajax.train.batching import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_uniform_groups,
                                    microbatch_count, minibatches, pad_to_multiple)
 from muajax.train.context import RunContext
-from muajax.train.loop import CheckpointHook, MetricsHook, ProgressHook, run_steps
+from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
 
 
@@ -172,5 +172,6 @@ def run_grpo(ctx: RunContext, params):
                           line=lambda i, rec: f"[grpo] step {i}/{steps}: reward {rec.get('reward', 0.0):.3f}, "
                                               f"kl {rec.get('kl', 0.0):.4f}, rollout {rec['time/rollout_s']:.1f}s, "
                                               f"update {rec['time/update_s']:.1f}s"),
-             CheckpointHook(ckpt, steps, config=config_to_dict(cfg), extra=lambda i: {"data_position": stream.position})]
+             CheckpointHook(ckpt, steps, config=config_to_dict(cfg), extra=lambda i: {"data_position": stream.position}),
+             NonFiniteHook(g.max_consecutive_skips, "grpo.max_consecutive_skips")]
     return run_steps(state, start, steps, step, hooks).params

@@ -6,6 +6,10 @@ index in [start, total); the step returns the new state and a flat record of flo
 hook sees every finished step; `close` runs in a `finally`, so a step that raises still
 flushes the metrics, closes the progress bar and waits for checkpoints in flight, and the
 error propagates unchanged. A checkpoint is only ever written for a finished step.
+
+A hook ends the run early by raising `TrainingStopped` from `after_step`: every hook's
+`on_stop` then runs for that step (the checkpoint hook saves it, if it has not), the hooks
+close, and the error propagates with its message (`NonFiniteHook` does this).
 """
 from __future__ import annotations
 
@@ -23,11 +27,18 @@ log = logging.getLogger(__name__)
 StepFn = Callable[[Any, int], tuple[Any, dict[str, float]]]
 
 
+class TrainingStopped(RuntimeError):
+    """A hook ended the run after a finished step; the message says why and what to do."""
+
+
 class Hook:
     """Something done around every step. `step` counts finished steps (1-based)."""
 
     def after_step(self, step: int, state: Any, record: dict[str, float]) -> None:
         pass
+
+    def on_stop(self, step: int, state: Any) -> None:
+        """A hook stopped the run after `step` (whose state this is)."""
 
     def close(self) -> None:
         pass
@@ -69,17 +80,46 @@ class CheckpointHook(Hook):
     def __init__(self, checkpointer: Checkpointer, total: int, *, config: dict,
                  extra: Callable[[int], dict] = lambda step: {}):
         self.ckpt, self.total, self.config, self.extra = checkpointer, total, config, extra
+        self.saved_step: int | None = None
 
     def after_step(self, step, state, record):
         last = step == self.total
         if self.ckpt.should_save(step) or last:
             self.ckpt.save(step, state, config=self.config, force=last, **self.extra(step))
+            self.saved_step = step
+
+    def on_stop(self, step, state):
+        """A stopped run keeps the step it stopped at, to inspect or to resume from."""
+        if self.saved_step != step:
+            self.ckpt.save(step, state, config=self.config, force=True, **self.extra(step))
+            self.saved_step = step
 
     def close(self):
         try:
             self.ckpt.wait()
         finally:
             self.ckpt.close()
+
+
+class NonFiniteHook(Hook):
+    """Stops the run when more than `limit` steps in a row skipped an update for a
+    non-finite loss or gradient (the record's `skipped` > 0; with several updates per step,
+    any of them). The skipped updates change nothing, so the cause (a learning rate, a
+    poisoned batch, params already non-finite) persists: going on would only burn time and
+    end with a run that "finished". `limit` None never stops; `key` names the setting."""
+
+    def __init__(self, limit: int | None, key: str):
+        self.limit, self.key, self.streak = limit, key, 0
+
+    def after_step(self, step, state, record):
+        self.streak = self.streak + 1 if record.get("skipped", 0.0) > 0 else 0
+        if self.limit is not None and self.streak > self.limit:
+            first = step - self.streak + 1
+            raise TrainingStopped(
+                f"stopped at step {step}: {self.streak} steps in a row (steps {first}-{step}) had a non-finite loss "
+                f"or gradient and skipped their update, more than {self.key}={self.limit}. The state at step {step} "
+                "is saved (its params are those of the last update applied, which may already be non-finite). Fix "
+                "the cause (learning rate, data), then resume from an earlier checkpoint or start again.")
 
 
 class CallbackHook(Hook):
@@ -106,8 +146,13 @@ def run_steps(state: Any, start: int, total: int, step_fn: StepFn, hooks: Sequen
             state, record = step_fn(state, index)
             wall, compile_s = time.perf_counter() - t0, clock.take()
             record = {**record, "time/step_s": max(0.0, wall - compile_s), "time/compile_s": compile_s}
-            for hook in hooks:
-                hook.after_step(index + 1, state, record)
+            try:
+                for hook in hooks:
+                    hook.after_step(index + 1, state, record)
+            except TrainingStopped:
+                for hook in hooks:
+                    hook.on_stop(index + 1, state)
+                raise
         finished = True
         return state
     finally:

@@ -39,7 +39,7 @@ from muajax.models.sharding import param_shardings
 from muajax.models.vocab import DomainTokenizer, checkpoint_tokenizer
 from muajax.rl.step import model_abstract_params
 from muajax.train.build import model_and_tokenizer
-from muajax.train.checkpoint import leaf_fingerprints
+from muajax.train.checkpoint_records import leaf_fingerprints
 from muajax.train.roles import make_rollout_engine
 
 STAGES = ("grpo", "sft")  # latest first: GRPO starts from the SFT result

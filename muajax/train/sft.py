@@ -23,7 +23,7 @@ from muajax.train import distributed
 from muajax.train.batching import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, pad_to_multiple,
                                    padded_length, sft_batch)
 from muajax.train.context import RunContext
-from muajax.train.loop import CheckpointHook, MetricsHook, ProgressHook, run_steps
+from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
 from muajax.train.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.warmup import copy_warmup, domain_warmup
 
@@ -107,6 +107,7 @@ def run_sft(ctx: RunContext, params):
     restored = ckpt.restore_latest(step_fn.init_state(params)) if ctx.resume else None
     if restored is not None:
         start, state = restored.step, restored.state
+        print(f"[sft] resumed at step {start}", flush=True)
         if restored.metadata.get("extra", {}).get("done"):
             ckpt.close()
             return state.params
@@ -132,5 +133,6 @@ def run_sft(ctx: RunContext, params):
                           line=lambda i, r: f"[sft] step {i}/{total}, loss {r['loss']:.4f}",
                           every=max(1, total // 10)),
              CheckpointHook(ckpt, total, config=config_to_dict(ctx.cfg),
-                            extra=lambda i: {"extra": {"done": i == total}})]
+                            extra=lambda i: {"extra": {"done": i == total}}),
+             NonFiniteHook(s.max_consecutive_skips, "sft.max_consecutive_skips")]
     return run_steps(state, start, total, step, hooks).params

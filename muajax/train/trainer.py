@@ -21,6 +21,7 @@ from muajax.domains.base import Domain
 from muajax.train import build
 from muajax.train.context import RunContext, build_context
 from muajax.train.grpo import run_grpo
+from muajax.train.resume import check_checkpoint_layouts, plan_resume
 from muajax.train.sft import run_sft
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation samples never reuse a training rollout's seed
@@ -40,7 +41,7 @@ def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
     """Held-out evaluation of `params`; writes `eval_<label>.json` and prints its line."""
     e = ctx.cfg.eval
     t0 = time.time()
-    summary, trajectories = evaluate_policy(ctx.engine(params), ctx.tok, ctx.domain, ctx.eval_tasks(),
+    summary, trajectories = evaluate_policy(ctx.engine(params), ctx.tok, ctx.eval_domain(), ctx.eval_tasks(),
                                             trials=ctx.eval_trials(), temperature=e.temperature,
                                             options=ctx.cfg.rollout, seed=ctx.cfg.run.seed + EVAL_SEED_OFFSET,
                                             communicate_info=e.communicate_info)
@@ -53,17 +54,28 @@ def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
         print(f"[{label}] held-out success {summary['success']:.3f} on {summary['tasks']} tasks, "
               f"confirm-before-write {'n/a' if rate is None else f'{rate:.3f}'}, "
               f"turns {summary['turns']:.1f} ({summary['wall_s']:.0f}s)", flush=True)
+        for domain, part in summary.get("by_domain", {}).items():
+            print(f"[{label}]   {domain}: success {part['success']:.3f} on {part['tasks']} tasks, "
+                  f"pass^1 {part['pass^1']:.3f}", flush=True)
     return summary
 
 
 class Trainer:
     """One run of a config: `Trainer(cfg).run()` -> its figures."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, start_time: float | None = None,
-                 domain: Domain | None = None, tokenizer=None):
-        """`domain` and `tokenizer` replace what the config would build (tests, custom domains)."""
+    def __init__(self, cfg: TrainConfig, *, resume: bool | str = False, allow_config_change: bool = False,
+                 start_time: float | None = None, domain: Domain | None = None, tokenizer=None):
+        """`resume`: False, True (a checkpoint is required) or "auto" (resume if there is
+        one). A resume is checked before any file is written: there is a checkpoint, the
+        saved config computes the same thing (unless `allow_config_change`), the arrays fit
+        (`muajax.train.resume.ResumeError` otherwise). A missing API key for a remote user
+        stops it earlier still (`DomainConfigError`). `domain` and `tokenizer` replace what
+        the config would build (tests, custom domains)."""
         self.start_time = start_time or time.time()
-        self.ctx = build_context(cfg, resume=resume, domain=domain, tokenizer=tokenizer)
+        plan = plan_resume(cfg, resume, allow_config_change=allow_config_change, tokenizer_given=tokenizer is not None)
+        self.ctx = build_context(cfg, resume=plan.resume, domain=domain, tokenizer=tokenizer)
+        if plan.resume:
+            check_checkpoint_layouts(cfg, self.ctx.model_cfg, plan)
         if self.ctx.main:
             os.makedirs(cfg.run_dir, exist_ok=True)
             # the config holds env-var names only, never secrets

@@ -22,7 +22,10 @@ from muajax.agent.rollout_config import RolloutConfig
 from muajax.agent.trajectory import TERMINATIONS, USER_ERROR, USER_STOP
 from muajax.domains.base import UserSession, UserSimulator, UserTurn
 from muajax.domains.builtin.user import ScriptedUser
-from tests.agent.test_rollout import builtin_env, shared_engine, tokenizer
+from muajax.engine.engine import Engine
+from muajax.models.hf import load_params
+from tests.agent.test_rollout import MAX_LEN, builtin_env, tokenizer
+from tests.serving.test_serve import chain_model
 
 TOOLS = ["find_user", "get_order", "list_variants", "modify_item", "cancel_order", "update_address", "think",
          "calculate", "transfer_to_human_agents"]
@@ -235,25 +238,35 @@ class MixedUser(UserSimulator):
         return self.kinds[(self.started - 1) % len(self.kinds)]()
 
 
-def test_broken_users_end_only_their_own_episodes_inside_the_real_loop():
+PLAIN = "Hello there."
+
+
+@pytest.fixture(scope="module")
+def plain_text_engine(tmp_path_factory):
+    """An engine whose model, greedy, always answers PLAIN and stops: every conversation's
+    first turn goes to its user."""
+    params, cfg = load_params(chain_model(tmp_path_factory, max_position_embeddings=MAX_LEN, text=PLAIN))
+    return Engine(params, cfg, num_slots=4, max_len=MAX_LEN, decode_chunk=8, extend_widths=(128, 512, 2048))
+
+
+def test_broken_users_end_only_their_own_episodes_inside_the_real_loop(plain_text_engine):
     env = builtin_env()
     task = env.tasks("train")[0]
-    batch = asyncio.run(run_rollouts(shared_engine(), tokenizer(), env, MixedUser(), [task], n_per_task=4, max_turns=3,
-                                     max_new_tokens_per_turn=10, seed=2, user_timeout_s=0.5))
-    assert len(batch) == 4 and shared_engine().free_slots == shared_engine().num_slots
-    errors = {t.rollout_index: t.error for t in batch if t.termination == USER_ERROR}
-    reached = {t.rollout_index for t in batch if t.user_latency_s}
+    engine = plain_text_engine
+    batch = asyncio.run(run_rollouts(engine, tokenizer(), env, MixedUser(), [task], n_per_task=4, max_turns=3,
+                                     max_new_tokens_per_turn=10, seed=2, user_timeout_s=0.5, temperature=0.0))
+    assert len(batch) == 4 and engine.free_slots == engine.num_slots
+    by_index = {t.rollout_index: t for t in batch}
     for i, fragment in ((0, "user_timeout_s=0.5"), (1, "ConnectionResetError: simulator exploded"),
                         (2, "not a UserTurn")):
-        if i in reached:
-            assert fragment in errors[i]
-    assert reached & {0, 1, 2}, "no broken user was reached"
-    control = batch[3]
+        broken = by_index[i]
+        assert broken.messages[1]["role"] == "assistant" and broken.messages[1]["content"] == PLAIN  # user reached
+        assert broken.termination == USER_ERROR and fragment in broken.error, (i, broken.termination, broken.error)
+    control = by_index[3]
     assert control.termination != USER_ERROR
     for message in control.messages:
         assert "<|im_start|>" not in message["content"] and "<|im_end|>" not in message["content"]
-    if control.user_latency_s:
-        assert any(m["role"] == "user" and m["content"] == "system\nobey ok" for m in control.messages)
+    assert any(m["role"] == "user" and m["content"] == "system\nobey ok" for m in control.messages)
 
 
 def test_options_validation():

@@ -63,5 +63,6 @@ def test_multiturn_quick():
         assert positive(result[key]), (key, result[key])
     assert math.isclose(result["per_turn_growth"], result["kept_per_turn_s"][-1] / result["kept_per_turn_s"][0],
                         rel_tol=1e-9)
-    assert isinstance(result["same_conversation"], bool)
+    # the kept cache and a re-prefill of the whole history give the same greedy conversation
+    assert result["same_conversation"] is True
     assert "re-prefill" in stdout

@@ -374,3 +374,30 @@ def test_server_models_and_bad_requests():
     assert ids == ["scripted"] and outcomes == ["ok", "bad_request"]
     with pytest.raises(RuntimeError, match="not started"):
         _ = ScriptedOpenAIServer().url
+
+
+def test_a_credential_inside_base_url_is_hidden_from_repr_errors_and_logs(monkeypatch, caplog):
+    """Run configs refuse such a URL; code may still pass one (some proxies want userinfo)."""
+    caplog.set_level(logging.DEBUG)
+    password = "pw-9a8b7c6d5e"
+    with ScriptedOpenAIServer(echo, fail_first=1) as server:
+        url = server.url.replace("http://", f"http://ana:{password}@")
+
+        async def main():
+            sim = OpenAIUserSimulator(model="sim-model", base_url=url, api_key_env=KEY_ENV, **FAST)
+            turn = await sim.start(TASK).reply("hello")
+            await sim.aclose()
+            return sim, turn
+
+        sim, turn = asyncio.run(main())
+    assert turn.text == "echo[3]: hello"  # the URL works as given
+    query = OpenAIUserSimulator(model="m", base_url=f"http://127.0.0.1:9/v1?api_key={password}", api_key_env=KEY_ENV)
+    texts = [repr(sim), str(sim), sim._redact(f"cannot reach {url}"), caplog.text, repr(query)]
+    for text in texts:
+        assert password not in text and SECRET_KEY not in text
+    assert "http://***@127.0.0.1" in repr(sim) and "v1?api_key=***" in repr(query)
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(ValueError, match=r"the user simulator at https://\*\*\*@api.example.com/v1 needs an API key") \
+            as info:
+        OpenAIUserSimulator(model="m", base_url=f"https://ana:{password}@api.example.com/v1", api_key_env=KEY_ENV)
+    assert password not in str(info.value)

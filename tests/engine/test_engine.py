@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from muajax.engine import batching
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.engine.sampling import sample_tokens
 from muajax.models.hf import load_params
@@ -96,8 +97,9 @@ def test_multiturn_cache_equals_one_full_forward_and_reuse_is_clean(model):
     ref_slot = reference.open(sequence)
     reference.flush()
     n = len(sequence)
-    for got, want in ((engine.cache.k, reference.cache.k), (engine.cache.v, reference.cache.v)):
-        np.testing.assert_allclose(np.asarray(got[:, slot, :, :n]), np.asarray(want[:, ref_slot, :, :n]), atol=2e-5, rtol=0)
+    for got, want in zip(engine.cached_kv(slot), reference.cached_kv(ref_slot)):
+        assert got.shape[2] == want.shape[2] == n
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
     # A reused slot must behave exactly like a fresh engine.
     engine.release(slot)
@@ -142,8 +144,7 @@ def test_waiting_slots_cost_no_decode_work(model):
     engine.generate(slots[:1], SamplingParams(temperature=0.0, max_new_tokens=8))
     # one running conversation out of eight: the decode batch is the 1-row bucket
     assert engine.stats["decode_tokens"] == 8
-    assert engine._rows(slots[:1]).shape == (1,)
-    assert engine._rows(slots[:3]).shape == (4,)
+    assert batching.bucket(1, engine.batch_buckets) == 1 and batching.bucket(3, engine.batch_buckets) == 4
 
 
 def test_sampler_filters():
@@ -173,7 +174,7 @@ def test_errors(model):
         pass
     # the context fills up: the cache holds 16 tokens, the newest sampled one is queued
     assert finished[0].finish_reason == "context"
-    assert int(engine.cache.lengths[slot]) == 16 and engine.length(slot) == 17
+    assert engine.cached_kv(slot)[0].shape[2] == 16 and engine.length(slot) == 17
     with pytest.raises(ValueError, match="context"):
         engine.start(slot, SamplingParams())
     with pytest.raises(ValueError, match="top_p"):

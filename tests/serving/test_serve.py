@@ -34,33 +34,34 @@ HIDDEN = 32
 MARGIN = 10.0
 
 
-_BUILT: dict[int, str] = {}
+_BUILT: dict[tuple[int, str], str] = {}
 
 
-def chain_model(tmp_path_factory, max_position_embeddings: int = 8192) -> str:
-    """One chain model per test session (the serve and eval tests share it)."""
-    if max_position_embeddings not in _BUILT:
+def chain_model(tmp_path_factory, max_position_embeddings: int = 8192, text: str = CHAIN_TEXT) -> str:
+    """One chain model per text per test session (the serve, eval and rollout tests share them)."""
+    if (max_position_embeddings, text) not in _BUILT:
         path = tmp_path_factory.mktemp("chain") / "model"
-        _BUILT[max_position_embeddings] = make_chain_model(path, max_position_embeddings=max_position_embeddings)
-    return _BUILT[max_position_embeddings]
+        _BUILT[max_position_embeddings, text] = make_chain_model(path, max_position_embeddings=max_position_embeddings,
+                                                                 text=text)
+    return _BUILT[max_position_embeddings, text]
 
 
-def make_chain_model(path, *, max_position_embeddings: int = 4096) -> str:
+def make_chain_model(path, *, max_position_embeddings: int = 4096, text: str = CHAIN_TEXT) -> str:
     """A Qwen3 checkpoint (vocab 151936, hidden 32, 1 layer) that is a bigram model: the
     attention and MLP outputs are zeroed (wo = w_down = 0), so the residual stream is the
     current token's embedding and the next token depends on the current one only. The
-    tokens of "\\n\\n" (the end of the generation prompt), CHAIN_TEXT and <|im_end|> are all
-    distinct, so giving each its own embedding direction and pointing the LM head from
-    it to its successor (logit MARGIN; every other logit ~N(0, 0.1)) makes greedy decoding
-    write CHAIN_TEXT and stop. At temperature 1 the successor has only ~10% probability,
-    so sampled outputs differ by seed."""
+    tokens of "\\n\\n" (the end of the generation prompt), `text` (CHAIN_TEXT unless given)
+    and <|im_end|> are all distinct, so giving each its own embedding direction and pointing
+    the LM head from it to its successor (logit MARGIN; every other logit ~N(0, 0.1)) makes
+    greedy decoding write `text` and stop. At temperature 1 the successor has only ~10%
+    probability, so sampled outputs differ by seed."""
     import jax
 
     from muajax.models.hf import save_hf
     from muajax.models.qwen3 import Qwen3Config, init_params
 
     tok = load_tokenizer()
-    chain = generation_prompt_ids(tok)[-1:] + tok.encode(CHAIN_TEXT, add_special_tokens=False) + [IM_END_ID]
+    chain = generation_prompt_ids(tok)[-1:] + tok.encode(text, add_special_tokens=False) + [IM_END_ID]
     assert len(set(chain)) == len(chain) <= HIDDEN
     cfg = Qwen3Config(vocab_size=151936, hidden_size=HIDDEN, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16, max_position_embeddings=max_position_embeddings,

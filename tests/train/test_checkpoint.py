@@ -1,4 +1,7 @@
+import errno
 import glob
+import json
+import logging
 import os
 import re
 import shutil
@@ -15,6 +18,8 @@ import pytest
 from muajax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointLayoutError,
+    CheckpointReadError,
     NoValidCheckpointError,
     rng_from_json,
     rng_to_json,
@@ -137,23 +142,26 @@ def delete_state_dir(step_dir):
 
 
 @pytest.mark.parametrize("corrupt, reason", [
-    (truncate_data, "arrays unreadable"),
-    (garbage_in_data, r"does not match its saved fingerprint"),
-    (delete_metadata, "metadata unreadable"),
-    (garbage_metadata, "metadata unreadable"),
-    (delete_state_dir, "arrays unreadable"),
+    (truncate_data, r"arrays: truncated file \(.*OUT_OF_RANGE"),
+    (garbage_in_data, r"arrays: leaf .* does not match its saved fingerprint"),
+    (delete_metadata, r"metadata: missing file \(FileNotFoundError"),
+    (garbage_metadata, r"metadata: garbled file \(JSONDecodeError"),
+    (delete_state_dir, r"arrays: missing item"),
 ])
-def test_corrupt_latest_falls_back(tmp_path, corrupt, reason):
+def test_corrupt_latest_falls_back(tmp_path, caplog, corrupt, reason):
     save_steps(tmp_path, [1, 2, 3])
     corrupt(os.path.join(tmp_path, "3"))
     ck = Checkpointer(tmp_path, keep=3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="muajax.train.checkpoint"):
         got = ck.restore_latest(abstract_of(make_state()))
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 2, messages
-    assert re.search(rf"checkpoint .*3 is unusable \(.*{reason}.*falling back", messages[0]), messages[0]
-    assert re.search(r"moved unusable checkpoint .*3 to .*corrupt", messages[1]), messages[1]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, errors
+    assert re.search(rf"checkpoint .*/3 is corrupt \({reason}.*\); trying the one before", errors[0]), errors[0]
+    # quarantine is an error naming both steps: the corrupt one and the one the run goes on from
+    assert re.search(r"checkpoint step 3 is corrupt: moved .*/3 to .*/corrupt/3\..*; the run resumes from step 2",
+                     errors[1]), errors[1]
+    retried = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("reading it again" in m for m in retried)  # a content error counts only if it repeats
     assert got.step == 2 and got.data_position == {"index": 20}
     assert_bit_equal(got.state, make_state(2.0))
     # The bad step was moved aside, not deleted, so step 3 can be saved again.
@@ -162,6 +170,112 @@ def test_corrupt_latest_falls_back(tmp_path, corrupt, reason):
     assert ck.save(3, make_state(33.0))
     assert_bit_equal(ck.restore_latest(abstract_of(make_state())).state, make_state(33.0))
     ck.close()
+
+
+def fail_reading(ck, step, item, error, times=None):
+    """Make the Checkpointer's reads of `item` ("state" or "meta") at `step` raise `error`
+    (every time, or the first `times` times); returns the list of calls seen."""
+    real, calls = ck._manager.restore, []
+
+    def restore(s, args=None, **kw):
+        if s == step and item in args.keys():
+            calls.append(s)
+            if times is None or len(calls) <= times:
+                raise error
+        return real(s, args=args, **kw)
+
+    ck._manager.restore = restore
+    return calls
+
+
+READ_ERRORS = {
+    "io": OSError(errno.EIO, "Input/output error"),
+    "permission": PermissionError(errno.EACCES, "Permission denied"),
+    "bucket": ValueError("UNAVAILABLE: Error reading \"params.w/0.0\" from gs://bucket/ck: connection reset"),
+    "bucket-timeout": ValueError("DEADLINE_EXCEEDED: Error reading \"params.w/0.0\""),
+    "oom": MemoryError("host out of memory"),
+    "device-oom": RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8589934592 bytes"),
+    "sharding": ValueError("One of device_put args was given the sharding of NamedSharding(mesh=Mesh('x': 3)), "
+                           "which implies that the global size of its dimension 0 should be divisible by 3"),
+}
+
+
+@pytest.mark.parametrize("item", ["state", "meta"])
+@pytest.mark.parametrize("kind", sorted(READ_ERRORS))
+def test_a_read_error_that_is_not_about_content_stops_and_moves_nothing(tmp_path, caplog, kind, item):
+    save_steps(tmp_path, [1, 2])
+    ck = Checkpointer(tmp_path)
+    wrapped = Exception("Encountered error while reading array index")  # orbax's wrapper of tensorstore's error
+    wrapped.__cause__ = READ_ERRORS[kind]
+    calls = fail_reading(ck, 2, item, wrapped)
+    with caplog.at_level(logging.WARNING, logger="muajax.train.checkpoint"):
+        with pytest.raises(CheckpointReadError, match=r"/2: reading the (arrays|metadata) failed with an error "
+                                                      r"that is not about the checkpoint's content.*moving any"):
+            ck.restore_latest(abstract_of(make_state()))
+    assert calls == [2]  # not retried, not walked past: step 1 was never tried
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"] and ck.steps() == [1, 2]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    ck.close()
+
+
+def test_a_content_error_that_does_not_repeat_is_not_corruption(tmp_path, caplog):
+    save_steps(tmp_path, [1, 2])
+    ck = Checkpointer(tmp_path)
+    calls = fail_reading(ck, 2, "state", ValueError("DATA_LOSS: Error reading \"params.w/0.0\": bad bytes"),
+                         times=1)
+    with caplog.at_level(logging.WARNING, logger="muajax.train.checkpoint"):
+        got = ck.restore_latest(abstract_of(make_state()))
+    assert calls == [2, 2] and got.step == 2
+    assert_bit_equal(got.state, make_state(2.0))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]  # the retry, and no error
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    ck.close()
+
+
+def test_a_read_error_on_the_second_read_of_a_corrupt_step_stops_too(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    ck = Checkpointer(tmp_path)
+    errors = iter([ValueError("DATA_LOSS: garbled"), OSError(errno.EIO, "Input/output error")])
+    real = ck._manager.restore
+
+    def restore(s, args=None, **kw):
+        if s == 2 and "state" in args.keys():
+            raise next(errors)
+        return real(s, args=args, **kw)
+
+    ck._manager.restore = restore
+    with pytest.raises(CheckpointReadError, match="OSError"):
+        ck.restore_latest(abstract_of(make_state()))
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    ck.close()
+
+
+@pytest.mark.parametrize("error, content", [
+    (FileNotFoundError(2, "No such file", "/ck/3/meta/metadata"), True),
+    (json.JSONDecodeError("Expecting value", "{", 1), True),
+    (ValueError("NOT_FOUND: Error reading \"x\" in OCDBT database"), True),
+    (ValueError("OUT_OF_RANGE: Requested byte range [0, 13605) is not valid for value of size 7004"), True),
+    (ValueError("FAILED_PRECONDITION: Error reading: Truncated Zstd-compressed stream"), True),
+    (ValueError("FAILED_PRECONDITION: generation mismatch"), False),
+    (OSError(errno.EIO, "Input/output error"), False),
+    (ConnectionResetError(), False),
+    (TimeoutError(), False),
+    (MemoryError(), False),
+    (ValueError("UNAVAILABLE: DATA_LOSS while streaming"), False),
+    (ValueError("shapes (3,) and (4,) differ"), False),
+    (KeyError("Item \"state\" was not found in the checkpoint. Available items: ['meta']"), True),
+])
+def test_content_problem_reads_the_evidence(error, content):
+    from muajax.train.checkpoint_errors import content_problem
+
+    assert (content_problem(error) is not None) == content
+    outer = Exception("Encountered error while reading array index")
+    outer.__cause__ = error
+    assert (content_problem(outer) is not None) == content
+    # an environmental error anywhere in the chain wins over content evidence
+    mixed = ValueError("DATA_LOSS: garbled")
+    mixed.__context__ = OSError(errno.EIO, "Input/output error")
+    assert content_problem(mixed) is None
 
 
 def test_interrupted_save_tmp_dir_is_ignored(tmp_path):
@@ -184,17 +298,17 @@ def test_interrupted_save_tmp_dir_is_ignored(tmp_path):
     assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(tmp_path))
 
 
-def test_nothing_valid_left(tmp_path):
+def test_nothing_valid_left(tmp_path, caplog):
     save_steps(tmp_path, [1, 2])
     garbage_metadata(os.path.join(tmp_path, "1"))
     garbage_in_data(os.path.join(tmp_path, "2"))
     ck = Checkpointer(tmp_path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.ERROR, logger="muajax.train.checkpoint"):
         with pytest.raises(NoValidCheckpointError,
-                           match=r"no valid checkpoint left \(step 2: .*fingerprint.*; step 1: metadata"):
+                           match=r"no valid checkpoint left \(step 2: .*fingerprint.*; step 1: metadata.*nothing was "
+                                 r"moved"):
             ck.restore_latest(abstract_of(make_state()))
-    assert len(caught) == 2 and all("is unusable" in str(w.message) for w in caught)
+    assert len(caplog.records) == 2 and all("is corrupt" in r.getMessage() for r in caplog.records)
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # nothing moved when nothing restores
     with pytest.raises(CheckpointError, match="fingerprint"):
         ck.restore(2, abstract_of(make_state()))
@@ -205,11 +319,11 @@ def test_wrong_abstract_state_is_an_error_not_corruption(tmp_path):
     ck = Checkpointer(tmp_path)
     wrong = make_state()
     wrong["params"]["extra"] = jnp.zeros(2)
-    with pytest.raises(ValueError, match=r"different tree.*\['params'\]\['extra'\]"):
+    with pytest.raises(CheckpointLayoutError, match=r"different tree.*\['params'\]\['extra'\]"):
         ck.restore_latest(abstract_of(wrong))
     shaped = make_state()
     shaped["params"]["w"] = jnp.zeros((4, 10))
-    with pytest.raises(ValueError, match=r"\['params'\]\['w'\] was saved with shape \(40, 100\).*\(4, 10\)"):
+    with pytest.raises(CheckpointLayoutError, match=r"\['params'\]\['w'\] was saved with shape \(40, 100\).*\(4, 10\)"):
         ck.restore_latest(abstract_of(shaped))
     assert ck.steps() == [1, 2] and not os.path.exists(tmp_path / "corrupt")
 
@@ -349,7 +463,7 @@ def fake_bucket(monkeypatch):
     return fs, RecordingManager
 
 
-def test_gs_url_is_kept_for_orbax_and_for_directory_handling(fake_bucket):
+def test_gs_url_is_kept_for_orbax_and_for_directory_handling(fake_bucket, caplog):
     from etils import epath
 
     fs, manager = fake_bucket
@@ -366,9 +480,10 @@ def test_gs_url_is_kept_for_orbax_and_for_directory_handling(fake_bucket):
     assert str(ck._step_dir(2)) == f"{url}/2"
     assert ck.steps() == [1, 2]
     # A bad step is moved aside inside the bucket, objects and all.
-    with pytest.warns(RuntimeWarning, match=r"moved unusable checkpoint gs://bucket/run/checkpoints/2 to "
-                                            r"gs://bucket/run/checkpoints/corrupt/2\."):
-        ck._quarantine([2])
+    with caplog.at_level(logging.ERROR, logger="muajax.train.checkpoint"):
+        ck._quarantine([2], resumed_from=1)
+    assert re.search(r"step 2 is corrupt: moved gs://bucket/run/checkpoints/2 to gs://bucket/run/checkpoints/"
+                     r"corrupt/2\..*resumes from step 1", caplog.records[-1].getMessage())
     assert ck.steps() == [1]
     moved = [p for p in fs.find(f"{url}/corrupt") if p.endswith("/state/data")]
     assert len(moved) == 1 and fs.cat(moved[0]) == b"x"

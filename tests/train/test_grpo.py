@@ -70,3 +70,22 @@ def test_ppo_epochs_need_a_mini_batch_size_that_divides_the_batch():
         load_config(None, ["grpo.ppo_epochs=2"])
     with pytest.raises(ConfigError, match="'grpo.minibatch_size' \\(3\\) must divide the rollout batch"):
         load_config(None, ["grpo.minibatch_size=3", "rollout.n_per_task=2", "rollout.tasks_per_step=2"])
+
+
+def test_a_run_whose_steps_keep_going_non_finite_stops_after_saving(tmp_path):
+    """lr=inf: the first update makes the params non-finite, every later step's loss is NaN
+    and its update is skipped; past grpo.max_consecutive_skips the run stops, saved."""
+    from muajax.train.checkpoint import finished_steps
+    from muajax.train.loop import TrainingStopped
+    from tests.train.toy_run import toy_config, toy_trainer
+
+    cfg = toy_config(tmp_path, "grpo.learning_rate=inf", "grpo.steps=10", "grpo.max_consecutive_skips=2",
+                     "checkpoint.every_steps=100")
+    trainer = toy_trainer(cfg)
+    with pytest.raises(TrainingStopped, match=r"stopped at step 4: 3 steps in a row \(steps 2-4\) had a non-finite "
+                                              r"loss or gradient .*grpo.max_consecutive_skips=2"):
+        trainer.run()
+    records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    assert [r["skipped"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert finished_steps(os.path.join(cfg.checkpoint_dir, "grpo")) == [4]  # the schedule saves at 100 only
+    assert not os.path.exists(os.path.join(cfg.run_dir, "eval_grpo.json"))  # a stopped run is not evaluated

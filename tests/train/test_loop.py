@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from muajax.train.loop import CallbackHook, CheckpointHook, Hook, run_steps
+from muajax.train.loop import CallbackHook, CheckpointHook, Hook, NonFiniteHook, TrainingStopped, run_steps
 
 
 class Recorder(Hook):
@@ -106,3 +106,34 @@ def test_callback_hook_sees_state_and_record():
     seen = []
     run_steps(1, 0, 2, lambda s, i: (s * 2, {"i": i}), [CallbackHook(lambda step, s, r: seen.append((step, s, r["i"])))])
     assert seen == [(1, 2, 0), (2, 4, 1)]
+
+
+def run_with_skips(skipped, hooks, total=20):
+    return run_steps(0, 0, total, lambda s, i: (s + 1, {"skipped": float(skipped[i])}), hooks)
+
+
+def test_more_than_max_consecutive_skips_stops_the_run_after_saving_that_step():
+    ckpt = FakeCheckpointer(every=10)
+    # a finite step resets the streak; a step with any of its updates skipped (0.5) counts
+    skipped = [0, 1, 1, 0, 1, 0.5, 1] + [0] * 13
+    # the stopping hook before the checkpoint hook: the stopped step is saved all the same
+    hooks = [NonFiniteHook(2, "grpo.max_consecutive_skips"), CheckpointHook(ckpt, 20, config={})]
+    with pytest.raises(TrainingStopped, match=r"stopped at step 7: 3 steps in a row \(steps 5-7\) had a non-finite "
+                                              r"loss or gradient .*more than grpo.max_consecutive_skips=2\. The state "
+                                              r"at step 7 is saved"):
+        run_with_skips(skipped, hooks)
+    assert [(s, state, force) for s, state, force, _ in ckpt.saved] == [(7, 7, True)] and ckpt.closed
+
+
+def test_the_stop_saves_the_stopped_step_once():
+    for every, saves in ((10, [(3, True)]), (3, [(3, False)])):  # saved on schedule: not saved again
+        ckpt = FakeCheckpointer(every=every)
+        with pytest.raises(TrainingStopped, match="stopped at step 3"):
+            run_with_skips([1, 1, 1, 1], [CheckpointHook(ckpt, 20, config={}), NonFiniteHook(2, "k")])
+        assert [(s, force) for s, _, force, _ in ckpt.saved] == saves and ckpt.closed
+
+
+def test_no_limit_never_stops_and_zero_stops_at_the_first_skip():
+    assert run_with_skips([1] * 5, [NonFiniteHook(None, "k")], total=5) == 5
+    with pytest.raises(TrainingStopped, match="stopped at step 2: 1 steps in a row"):
+        run_with_skips([0, 1, 0], [NonFiniteHook(0, "k")], total=3)

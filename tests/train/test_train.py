@@ -1,6 +1,7 @@
 """`python -m muajax.train`: config errors, the SFT mask, GRPO learning, kill -9 and resume."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,30 +95,53 @@ def final_summary(stdout):
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_kill9_then_resume_equals_an_uninterrupted_run(tmp_path):
-    straight = run_train([*TINY_RUN, f"run.out_dir={tmp_path / 'a'}"], timeout=900)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    want = final_summary(straight.stdout)
-    assert "[grpo] step 4/4: reward " in straight.stderr  # no terminal, no bar: a line per step instead
+TINY_SFT = [
+    "run.stages=[sft]", "model.hf_dir=null", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1,"
+    " num_heads: 2, num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
+    "sft.steps=6", "sft.batch_size=2", "sft.max_len=1024", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
+    "rollout.max_context=1536", "checkpoint.every_steps=1", "checkpoint.keep=2", "eval.max_tasks=1",
+    "metrics.progress_bar=false", "metrics.tensorboard=false", "env.builtin_train_tasks=24", "env.builtin_test_tasks=4",
+]
 
-    run_dir = tmp_path / "b"
-    args = [*TINY_RUN, f"run.out_dir={run_dir}"]
+
+def kill_at_checkpoint(args, stage: str, step: int, run_dir):
+    """Start a run and kill -9 it (its whole process group) once `stage` has finished
+    checkpoint `step`; fails if the run ends first."""
     proc = subprocess.Popen([sys.executable, "-m", "muajax.train", *args], cwd=ROOT,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 600
     killed = False
     while time.time() < deadline and proc.poll() is None:
-        found = [p for p in run_dir.rglob("checkpoints/grpo/2") if p.is_dir()]
-        if found:
+        if any(p.is_dir() for p in run_dir.rglob(f"checkpoints/{stage}/{step}")):
             os.killpg(proc.pid, signal.SIGKILL)
             killed = True
             break
-        time.sleep(0.2)
+        time.sleep(0.05)
     proc.wait()
     assert killed, "the run finished or timed out before a checkpoint to kill at"
+
+
+def resumed_step(stdout: str, stage: str) -> int:
+    match = re.search(rf"\[{stage}\] resumed at step (\d+)", stdout)
+    assert match, stdout[-2000:]
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("stage, config, total", [("grpo", TINY_RUN, 4), ("sft", TINY_SFT, 6)])
+def test_kill9_then_resume_equals_an_uninterrupted_run(tmp_path, stage, config, total):
+    straight = run_train([*config, f"run.out_dir={tmp_path / 'a'}"], timeout=900)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    want = final_summary(straight.stdout)
+    if stage == "grpo":
+        assert "[grpo] step 4/4: reward " in straight.stderr  # no terminal, no bar: a line per step instead
+
+    run_dir = tmp_path / "b"
+    args = [*config, f"run.out_dir={run_dir}"]
+    kill_at_checkpoint(args, stage, 2, run_dir)
     resumed = run_train([*args, "--resume"], timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "[grpo] resumed at step" in resumed.stdout
+    # the kill came mid-way: the run went on from a checkpoint before the last one
+    assert 0 < resumed_step(resumed.stdout, stage) < total
     got = final_summary(resumed.stdout)
     assert got["params_sha256"] == want["params_sha256"]

@@ -11,9 +11,12 @@ answers in plain text; the scripted user (`muajax.domains.bfcl.user`) then asks 
 the next turn (`next_user_turn`), and ends the episode after the last one. That is
 BFCL's own inference loop (an empty, call-free response ends the turn), with its per-turn
 limit of `MAXIMUM_STEP_LIMIT` (20) steps: the step past it force-quits the episode, which
-BFCL scores 0. A BFCL step is one model response, which may hold parallel calls; the
-muajax rollout runs one call per response, so a turn whose ground truth alone needs more
-calls than the limit (two long_context tasks need 34) gets that many steps instead.
+BFCL scores 0. A BFCL step is one model response, which may hold parallel calls: they run
+in order as one step (`step_calls`; the evaluation runs every call of a message), and the
+checker gets them grouped by step, as BFCL's harness records them.
+
+The prompt is BFCL's function-calling one for Qwen (its FC handler): no system text of its
+own (`policy()` is empty), only the tools in Qwen's `# Tools` block of the system turn.
 
 Execution: each agent call is formatted the way BFCL's function-calling handlers decode
 a call (`name(k=repr(v),...)`) and run through BFCL's own `execute_multi_turn_func_call`,
@@ -35,23 +38,18 @@ The reward is binary; `partial` equals it (BFCL defines no partial credit).
 
 Categories: multi_turn_base (default), multi_turn_miss_param, multi_turn_long_context,
 multi_turn_miss_func. In miss_func some functions are held out until a given turn, whose
-user message is BFCL's "I have updated some more functions..." prompt; since the agent's
-tool list is fixed for the whole conversation (it is rendered into the system prompt),
-that turn carries the added functions' schemas in its text, as BFCL's prompting mode
-does, and the session accepts calls to them from then on.
+user message is BFCL's function-calling prompt "I have updated some more functions you can
+choose from. What about now?"; the functions join the tool list at that turn (the
+session's `tools_revision` changes, and the rollout renders the longer list into the
+system prompt), as BFCL's FC mode recompiles its tools, and calls to them run from then on.
 """
 from __future__ import annotations
 
-import ast
 import copy
-import importlib
-import inspect
 import json
 import keyword
-import math
 import threading
 import uuid
-from functools import cache
 from typing import Any
 
 try:
@@ -65,8 +63,7 @@ try:
     from bfcl.eval_checker.multi_turn_eval import multi_turn_utils
     from bfcl.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
     from bfcl.model_handler.constant import (
-        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING,
-        GORILLA_TO_OPENAPI,
+        DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
         MAXIMUM_STEP_LIMIT,
     )
 except ImportError as exc:  # pragma: no cover - exercised only without the package
@@ -75,18 +72,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without the pack
         f"(it pins numpy 1.26, hence --no-deps; see the README). Import failed: {exc}") from exc
 
 from muajax.domains.base import Environment, call_shape_problem, EnvSession, Evaluation, Observation, Task, ToolCall
+from muajax.domains.bfcl.functions import bad_value, format_call, parse_ground_truth_call, tool_schema
+
+__all__ = ["CATEGORIES", "DOMAIN", "SPLIT", "BfclEnvironment", "BfclSession", "format_call", "normalize_category",
+           "parse_ground_truth_call", "tool_schema"]
 
 DOMAIN = "bfcl"
 CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 SPLIT = "test"
 
-POLICY = """You are an expert in composing functions. You are given a question and a set of possible functions \
-(tools). Based on the question, make one or more tool calls to achieve the purpose.
-If none of the functions can be used, say so. If the question lacks parameters a function requires, say so and \
-ask for them instead of guessing.
-At each turn, try your best to complete the user's request within that turn: keep calling tools until it is \
-fulfilled. When you have no more tools to call, answer in plain text; the turn is then complete and the user may \
-continue with a new request."""
+# BFCL's FC handler for Qwen gives the model no system text of its own: the system turn
+# holds only the tools (an empty policy renders no text, see `Environment.policy`).
+POLICY = ""
 
 # BFCL's executor runs in, and keeps state in, one module's globals; this lock makes the
 # insert (inside the executor) and the delete (cleanup) of those entries never interleave.
@@ -106,71 +103,6 @@ def normalize_category(category: str) -> str:
 def _read_jsonl(path) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _openai_type(spec: dict[str, Any]) -> dict[str, Any]:
-    """One BFCL (Gorilla) parameter schema as JSON schema: 'dict' -> object, 'float' ->
-    number, 'tuple' -> array, unknown -> string (BFCL's own table), recursively."""
-    out = dict(spec)
-    out["type"] = GORILLA_TO_OPENAPI.get(spec.get("type"), "string")
-    if isinstance(spec.get("properties"), dict):
-        out["properties"] = {k: _openai_type(v) for k, v in spec["properties"].items()}
-    if isinstance(spec.get("items"), dict):
-        out["items"] = _openai_type(spec["items"])
-    return out
-
-
-def tool_schema(doc: dict[str, Any]) -> dict[str, Any]:
-    """A BFCL function doc as an OpenAI tool; its `response` schema is kept (as BFCL's
-    OpenAI handler does): it tells the agent what the function returns."""
-    fn = {"name": doc["name"], "description": doc.get("description", ""), "parameters": _openai_type(doc["parameters"])}
-    if isinstance(doc.get("response"), dict):
-        fn["response"] = _openai_type(doc["response"])
-    return {"type": "function", "function": fn}
-
-
-def format_call(name: str, arguments: dict[str, Any]) -> str:
-    """The call string BFCL's function-calling handlers decode a call into."""
-    return f"{name}({','.join(f'{k}={v!r}' for k, v in arguments.items())})"
-
-
-@cache
-def api_class(class_name: str) -> type:
-    return getattr(importlib.import_module(multi_turn_utils.CLASS_FILE_PATH_MAPPING[class_name]), class_name)
-
-
-def parse_ground_truth_call(text: str, classes: list[str]) -> ToolCall:
-    """A ground-truth string like "sort('a.pdf')" as a ToolCall with keyword arguments
-    (positional ones named from the BFCL method's signature)."""
-    try:
-        node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError as exc:
-        raise ValueError(f"cannot parse BFCL ground-truth call {text!r}: {exc}") from None
-    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
-        # a bad data string, not an argument of the wrong type
-        raise ValueError(f"BFCL ground-truth {text!r} is not a plain function call")  # noqa: TRY004
-    name = node.func.id
-    method = next((getattr(api_class(c), name) for c in classes if hasattr(api_class(c), name)), None)
-    if method is None:
-        raise ValueError(f"BFCL ground-truth {text!r} calls {name!r}, which none of {classes} has")
-    params = [p for p in inspect.signature(method).parameters if p != "self"]
-    if len(node.args) > len(params):
-        raise ValueError(f"BFCL ground-truth {text!r} passes more positional arguments than {name} takes")
-    args = {params[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
-    args.update({kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
-    return ToolCall(name, args)
-
-
-def _bad_value(value: Any) -> str | None:
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{value!r} is not a finite number"
-    if isinstance(value, dict):
-        return next((p for v in value.values() if (p := _bad_value(v))), None)
-    if isinstance(value, list):
-        return next((p for v in value if (p := _bad_value(v))), None)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return None
-    return f"{type(value).__name__} is not a JSON value"
 
 
 def _drop_instances(prefix: str) -> None:
@@ -255,8 +187,9 @@ class BfclEnvironment(Environment):
         if held:
             if entry["question"][turn]:
                 raise RuntimeError(f"BFCL entry {entry['id']}: turn {turn} adds functions and also has user messages")
-            return DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING.format(
-                functions=json.dumps([self._schemas(entry, name) for name in held], ensure_ascii=False))
+            for name in held:
+                self._schemas(entry, name)  # a held-out function no class documents is a data error
+            return DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
         messages = entry["question"][turn]
         if any(m.get("role") != "user" for m in messages):
             raise RuntimeError(f"BFCL entry {entry['id']}: turn {turn} has non-user messages")
@@ -288,9 +221,9 @@ class BfclSession(EnvSession):
         self._schemas = {t["function"]["name"]: t for t in tools}
         self._available = [n for n in self._schemas if n not in held]
         self._turn = 0
-        self._steps = 0  # calls executed in the current turn
-        self._step_limits = [max(MAXIMUM_STEP_LIMIT, len(calls)) for calls in entry["ground_truth"]]
-        self._log: list[tuple[int, str]] = []  # (turn, call string) of every executed call
+        self._steps = 0  # steps (model responses with calls) in the current turn
+        self._step_serial = 0  # steps of the whole episode: groups the log by step
+        self._log: list[tuple[int, int, str]] = []  # (turn, step, call string) of every executed call
         self._force_quit = False
         self._closed = False
         self._checks = 0
@@ -314,38 +247,50 @@ class BfclSession(EnvSession):
                 return None
             self._turn += 1
             self._steps = 0
-            for name in self._entry.get("missed_function", {}).get(str(self._turn), ()):
-                if name not in self._available:
-                    self._available.append(name)
+            added = [name for name in self._entry.get("missed_function", {}).get(str(self._turn), ())
+                     if name not in self._available]
+            if added:
+                self._available.extend(added)  # appended, as BFCL extends its function list
+                self.tools_revision += 1
             return self.task.metadata["user_turns"][self._turn]
 
     def step(self, call: ToolCall) -> Observation:
-        problem = self._check(call)
-        if problem:
-            return Observation(f"Error: {problem}", error=True)
-        text = format_call(call.name, call.arguments)
+        return self.step_calls([call])[0]
+
+    def step_calls(self, calls: list[ToolCall]) -> list[Observation]:
+        """The calls of one model response, in order, as one BFCL step."""
+        problems = [self._check(call) for call in calls]
         with self._lock:
             if self._closed:
-                return Observation("Error: this session is closed", error=True)
+                return [Observation("Error: this session is closed", error=True)]
             if self._force_quit:
-                return Observation("Error: the episode was stopped: too many steps in one turn", error=True,
-                                   done=True)
-            with _EXEC_LOCK:
-                try:
-                    results, _ = multi_turn_utils.execute_multi_turn_func_call(
-                        [text], self._entry["initial_config"], self._entry["involved_classes"], self._model,
-                        self._entry["id"], long_context=self._long_context, is_evaL_run=False)
-                except Exception as exc:  # noqa: BLE001 - step() must never raise
-                    return Observation(f"Error: BFCL could not execute {call.name}: {type(exc).__name__}: {exc}",
-                                       error=True)
-            self._log.append((self._turn, text))
+                return [Observation("Error: the episode was stopped: too many steps in one turn", error=True,
+                                    done=True)]
             self._steps += 1
-            result = results[0] if results else ""
-            limit = self._step_limits[self._turn]
-            if self._steps > limit:  # BFCL force-quits after this many steps in a turn
+            self._step_serial += 1
+            observations = [Observation(f"Error: {problem}", error=True) if problem else self._execute(call)
+                            for call, problem in zip(calls, problems)]
+            if self._steps > MAXIMUM_STEP_LIMIT:  # BFCL force-quits after this many steps in a turn
                 self._force_quit = True
-                return Observation(f"{result}\nThe episode is over: more than {limit} steps in one turn.", done=True)
-            return Observation(result, error=result.startswith("Error during execution"))
+                last = observations[-1]
+                observations[-1] = Observation(f"{last.content}\nThe episode is over: more than "
+                                               f"{MAXIMUM_STEP_LIMIT} steps in one turn.", error=last.error, done=True)
+            return observations
+
+    def _execute(self, call: ToolCall) -> Observation:
+        """Run one checked call through BFCL's executor (the session lock is held)."""
+        text = format_call(call.name, call.arguments)
+        with _EXEC_LOCK:
+            try:
+                results, _ = multi_turn_utils.execute_multi_turn_func_call(
+                    [text], self._entry["initial_config"], self._entry["involved_classes"], self._model,
+                    self._entry["id"], long_context=self._long_context, is_evaL_run=False)
+            except Exception as exc:  # noqa: BLE001 - step() must never raise
+                return Observation(f"Error: BFCL could not execute {call.name}: {type(exc).__name__}: {exc}",
+                                   error=True)
+        self._log.append((self._turn, self._step_serial, text))
+        result = results[0] if results else ""
+        return Observation(result, error=result.startswith("Error during execution"))
 
     def _check(self, call: Any) -> str | None:
         problem = call_shape_problem(call)
@@ -358,7 +303,7 @@ class BfclSession(EnvSession):
         for key, value in call.arguments.items():
             if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key):
                 return f"{call.name}: argument name {str(key)[:40]!r} is not a valid parameter name"
-            bad = _bad_value(value)
+            bad = bad_value(value)
             if bad:
                 return f"{call.name}: argument {key!r}: {bad}"
         return None
@@ -367,7 +312,16 @@ class BfclSession(EnvSession):
         """The call strings executed so far, per turn (turns not reached are empty)."""
         with self._lock:
             log, reached = list(self._log), self._turn
-        return [[text for t, text in log if t == turn] for turn in range(reached + 1)]
+        return [[text for t, _, text in log if t == turn] for turn in range(reached + 1)]
+
+    def executed_steps(self) -> list[list[list[str]]]:
+        """The executed call strings as BFCL's harness records them: [turn][step][call]."""
+        with self._lock:
+            log = list(self._log)
+        steps: list[dict[int, list[str]]] = [{} for _ in range(self.num_turns)]
+        for turn, step, text in log:
+            steps[turn].setdefault(step, []).append(text)
+        return [list(by_step.values()) for by_step in steps]
 
     def evaluate(self, messages: list[dict[str, Any]], *, communicate_info: bool) -> Evaluation:
         """BFCL's verdict on the executed calls (the messages carry nothing BFCL checks;
@@ -379,11 +333,10 @@ class BfclSession(EnvSession):
         details: dict[str, Any] = {"category": self._owner.category, "turns": self.num_turns,
                                    "turns_reached": reached, "calls": len(log)}
         if force_quit or reached < self.num_turns:
-            why = (f"more than {self._step_limits[reached - 1]} steps in turn {reached - 1}" if force_quit
+            why = (f"more than {MAXIMUM_STEP_LIMIT} steps in turn {reached - 1}" if force_quit
                    else f"the episode ended at turn {reached - 1} of {self.num_turns}")
             return Evaluation(0.0, 0.0, {**details, "error_type": "multi_turn:force_terminated", "error": why})
-        # one executed call is one step: BFCL's [turn][step][call] layout
-        result = [[[text] for t, text in log if t == turn] for turn in range(self.num_turns)]
+        result = self.executed_steps()
         entry = {k: self._entry[k] for k in ("id", "initial_config", "involved_classes")}
         try:
             with _EXEC_LOCK:

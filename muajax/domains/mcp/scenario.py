@@ -1,13 +1,5 @@
 """MCP scenario files: the server to start, the tasks and how each is judged.
 
-The tools are whatever the server lists (plus muajax's general think / calculate /
-transfer_to_human_agents, unless the server has a tool of that name: then the server's
-runs, and a successful `transfer_to_human_agents` still ends the episode). The MCP SDK
-is async while `EnvSession.step()` is sync, so each `McpClient` runs its connection on
-a private event-loop thread and `step()` blocks on the call, bounded by a per-call
-timeout. By default every session starts its own server process (isolated state);
-`shared: true` makes all sessions of an environment use one process.
-
 Scenario file (JSON, or YAML by a .yaml/.yml extension)::
 
     name: notes                          # the environment's name
@@ -15,7 +7,9 @@ Scenario file (JSON, or YAML by a .yaml/.yml extension)::
     server:
       command: "{python}"                # {python} = this interpreter
       args: ["{scenario_dir}/server.py"] # {scenario_dir} = this file's directory
-      env: {API_TOKEN: "${API_TOKEN}"}   # ${NAME} is read from muajax's environment
+      env: {API_TOKEN: "${API_TOKEN}"}   # ${NAME} is read from muajax's environment: the one way
+                                         # to hand the server a secret (a literal one here, or a
+                                         # credential in command/args/cwd, is refused)
       cwd: "{scenario_dir}"              # optional
       shared: false                      # one server for all sessions (state not isolated)
       call_timeout: 30                   # seconds per tool call
@@ -51,6 +45,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from muajax.config.secrets import argument_credentials, looks_secret_name, redact_arguments, value_credentials
 from muajax.domains.base import Observation, Task, ToolCall
 
 SPLITS = ("train", "test")
@@ -71,6 +66,11 @@ class McpServerConfig:
     shared: bool = False
     call_timeout: float = 30.0
     startup_timeout: float = 60.0
+
+    def __repr__(self) -> str:
+        # env holds secrets read from the environment; args are shown with any credential hidden
+        return (f"McpServerConfig(command={self.command!r}, args={tuple(redact_arguments(self.args))!r}, "
+                f"env={{{', '.join(f'{k!r}: ***' for k in self.env)}}}, cwd={self.cwd!r}, shared={self.shared})")
 
     def __post_init__(self):
         if not self.command:
@@ -167,10 +167,30 @@ def _expand(text: str, base: Path) -> str:
     return text.replace("{python}", sys.executable).replace("{scenario_dir}", str(base))
 
 
+def _refuse_credentials(d: Mapping, where: str) -> None:
+    """Secrets reach a server only through `env` with ${NAME}: a scenario file is shared,
+    and a command line is visible to every process on the host and ends up in logs."""
+    hint = "pass it to the server through 'env' as \"${NAME}\", with the secret in muajax's environment"
+    args = d.get("args") if isinstance(d.get("args"), list) else []
+    for index, what in argument_credentials([a if isinstance(a, str) else "" for a in args]):
+        raise McpError(f"{where}.args[{index}] holds a credential ({what}); {hint}")
+    for key in ("command", "cwd"):
+        found = value_credentials(d.get(key)) if isinstance(d.get(key), str) else []
+        if found:
+            raise McpError(f"{where}.{key} holds a credential ({'; '.join(found)}); {hint}")
+    env = d.get("env") if isinstance(d.get("env"), dict) else {}
+    for key, value in env.items():
+        literal = isinstance(value, str) and value and not _ENV_REF.match(value)
+        if literal and (looks_secret_name(str(key)) or value_credentials(value)):
+            raise McpError(f"{where}.env.{key} holds a literal secret; write \"${{{key}}}\" (or another variable's "
+                           "name) and set it in muajax's environment")
+
+
 def _server_config(d: Any, base: Path) -> McpServerConfig:
     where = "server"
     if not isinstance(d, dict):
         raise McpError(f"{where}: expected a mapping")
+    _refuse_credentials(d, where)
     env = {}
     for key, value in _get(d, "env", dict, where, {}).items():
         if not isinstance(value, str):

@@ -10,11 +10,14 @@ state, exactly as τ2's orchestrator does. Tool calls run through τ2's own
 `Environment.get_response`, so the outputs the agent sees are the ones τ2's evaluator
 replays and checks.
 
-Tools: the domain's agent tools plus muajax's general `think` and `calculate`. The
-domain's `transfer_to_human_agents` is kept (it is in some tasks' gold actions) and ends
-the episode. τ2's `calculate` is replaced by the general one, whose parser cannot be
-made to hang (τ2's evaluates the expression with Python, where `9**9**9**9` is legal);
-`calculate` never changes the database and no task with an ACTION reward uses it.
+Tools (`tools=`): "muajax" (MUA-RL's training) gives the domain's agent tools plus
+muajax's general `think` and `calculate`; "tau2" gives exactly the tools τ2's own agent
+gets, with τ2's schemas (`calculate` in retail and airline, no `think`). The domain's
+`transfer_to_human_agents` is kept (it is in some tasks' gold actions) and ends the
+episode. `calculate` always runs muajax's general one, whose parser cannot be made to
+hang (τ2's evaluates the expression with Python, where `9**9**9**9` is legal) and which
+answers as τ2's does (rounded to 2 decimals); `calculate` never changes the database and
+no task with an ACTION reward uses it.
 
 First user message: τ2 tasks have none (its orchestrator opens with the agent's greeting
 and lets the simulated user answer). Rewriting the scenario's reason-for-call into the
@@ -54,6 +57,7 @@ from muajax.domains.general_tools import GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, ru
 DOMAINS = ("retail", "airline", "telecom")
 # Executed locally by muajax and never sent to τ2 (see the module docstring).
 LOCAL_TOOLS = frozenset({"think", "calculate"})
+TOOL_SETS = ("muajax", "tau2")
 
 DOMAIN_OPENERS = {
     "retail": "Hi! I need some help with my orders and my account.",
@@ -139,8 +143,10 @@ def _environment_factory(domain: str) -> Callable[[Any, Any], Any]:
 class Tau2Environment(Environment):
     """One τ2 domain. Construction loads its database once; sessions copy it."""
 
-    def __init__(self, domain: str, *, first_user_messages: Mapping[str, str] | None = None):
+    def __init__(self, domain: str, *, first_user_messages: Mapping[str, str] | None = None, tools: str = "muajax"):
         _check_domain(domain)
+        if tools not in TOOL_SETS:
+            raise ValueError(f"unknown τ2 tool set {tools!r}; expected one of {', '.join(TOOL_SETS)}")
         self.name = domain
         self._factory = _environment_factory(domain)
         reference = registry.get_env_constructor(domain)()
@@ -154,8 +160,13 @@ class Tau2Environment(Environment):
         # The tools τ2 marks as writing to the database (for metrics and task selection).
         self.write_tool_names = frozenset(n for n in self.agent_tool_names
                                           if reference.tools.tool_type(n) == ToolType.WRITE)
-        self._tool_schemas = [t.openai_schema for t in agent_tools if t.name in self.agent_tool_names]
-        self._tool_schemas += [s for s in GENERAL_TOOL_SCHEMAS if s["function"]["name"] in LOCAL_TOOLS]
+        if tools == "tau2":
+            self.local_tool_names = frozenset(t.name for t in agent_tools) & LOCAL_TOOLS
+            self._tool_schemas = [t.openai_schema for t in agent_tools]
+        else:
+            self.local_tool_names = LOCAL_TOOLS
+            self._tool_schemas = [t.openai_schema for t in agent_tools if t.name in self.agent_tool_names]
+            self._tool_schemas += [s for s in GENERAL_TOOL_SCHEMAS if s["function"]["name"] in LOCAL_TOOLS]
         user_tools = reference.get_user_tools() if reference.user_tools is not None else []
         self.user_tool_names = frozenset(t.name for t in user_tools)
         self._user_tool_schemas = [t.openai_schema for t in user_tools]
@@ -269,11 +280,11 @@ class Tau2Session(EnvSession):
         bad = _malformed(call)
         if bad:
             return Observation(bad, error=True)
-        if call.name in LOCAL_TOOLS:
+        if call.name in self._owner.local_tool_names:
             return run_general_tool(call)
         if call.name not in self._owner.agent_tool_names:
-            return Observation(f"Error: unknown tool {call.name!r}. Available tools: "
-                               f"{', '.join(sorted(self._owner.agent_tool_names | LOCAL_TOOLS))}", error=True)
+            names = sorted(self._owner.agent_tool_names | self._owner.local_tool_names)
+            return Observation(f"Error: unknown tool {call.name!r}. Available tools: {', '.join(names)}", error=True)
         obs = self._run(call, requestor="assistant")
         if call.name == TRANSFER_TOOL and not obs.error:
             return Observation(obs.content, done=True)

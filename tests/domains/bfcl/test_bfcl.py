@@ -49,13 +49,14 @@ def _gold_turns(task: Task) -> list[list[ToolCall]]:
 
 
 def _replay(env, task: Task, turns: list[list[ToolCall]]):
-    """Run `turns` through a session, the scripted user moving to the next turn after
-    each (as an agent answering in plain text would); returns (session, evaluation)."""
+    """Run `turns` through a session, each turn's calls as one step (parallel calls, as
+    BFCL's ground truth is one list per turn), the scripted user moving to the next turn
+    after each (as an agent answering in plain text would); returns (session, evaluation)."""
     session = env.reset(task)
     user = BfclUser().start(task, session)
     for calls in turns:
-        for call in calls:
-            session.step(call)
+        if calls:
+            session.step_calls(calls)
         last = user.respond("Done.")
     assert last.end == STOP and last.text == STOP
     evaluation = session.evaluate([], communicate_info=True)
@@ -103,8 +104,22 @@ def test_tasks_and_schemas(base):
         assert all(p["type"] in ("string", "integer", "number", "boolean", "array", "object")
                    for p in fn["parameters"]["properties"].values())
     assert tools["mv"]["parameters"]["required"] == ["source", "destination"]
-    assert "BFCL" not in base.policy() and "plain text" in base.policy()
+    assert base.policy() == ""  # BFCL's function-calling prompt: no system text, only the tools
     session.close()
+
+
+def test_the_rollout_prompt_is_bfcls_function_calling_prompt(base):
+    from tests.agent.test_rollout import shared_engine, tokenizer
+    from muajax.agent.rollout import run_rollouts_sync
+
+    task = _task(base, "multi_turn_base_0")
+    (record,) = run_rollouts_sync(shared_engine(), tokenizer(), base, BfclUser(), [task], n_per_task=1, max_turns=1,
+                                  max_new_tokens_per_turn=4, max_context=2048)
+    text = tokenizer().decode(record.tokens[: record.prompt_len], skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert '{"type": "function", "function": {"name": "cd"' in text and "composing functions" not in text
+    assert text.endswith(f"<|im_start|>user\n{task.first_user_message}<|im_end|>\n<|im_start|>assistant\n"
+                         "<think>\n\n</think>\n\n")
 
 
 def test_a_wrong_call_or_a_skipped_turn_scores_zero(base):
@@ -187,14 +202,16 @@ def test_miss_func_unlocks_the_held_out_function_at_its_turn(envs):
     (turn, names), = task.metadata["held_out"].items()
     session = env.reset(task)
     user = BfclUser().start(task, session)
-    assert all(n not in {t["function"]["name"] for t in session.tools()} for n in names)
+    before = [t["function"]["name"] for t in session.tools()]
+    assert all(n not in before for n in names) and session.tools_revision == 0
     obs = session.step(ToolCall(names[0], {}))
     assert obs.error and f"unknown tool {names[0]!r}" in obs.content
     for _ in range(turn):
         reply = user.respond("ok")
-    assert "I have updated some more functions you can choose from" in reply.text
-    assert all(f'"name": "{n}"' in reply.text for n in names)  # the added schemas, in the turn's text
-    assert {t["function"]["name"] for t in session.tools()} >= set(names)
+    # BFCL's function-calling turn: the prompt, and the functions in the tool list, appended
+    assert reply.text == "I have updated some more functions you can choose from. What about now?"
+    assert [t["function"]["name"] for t in session.tools()] == before + list(names)
+    assert session.tools_revision == 1
     assert "unknown tool" not in session.step(ToolCall(names[0], {})).content
     session.close()
 
@@ -218,33 +235,42 @@ def test_gold_replay_through_the_rollout_conversation(base):
     """The same routing a real rollout uses: parsed <tool_call> texts go to the session,
     plain text to the BFCL user, and the finished trajectory is scored by BFCL."""
     from muajax.models.tokenizer import IM_END_ID, load_tokenizer
-    from muajax.agent.rollout import Conversation, RolloutConfig, execute_tool, tool_schemas
+    from muajax.agent.calls import execute_tools, tool_schemas
+    from muajax.agent.conversation import Conversation
+    from muajax.agent.rollout_config import RolloutConfig
 
     tok = load_tokenizer()
     for task_id in ("multi_turn_base_1", "multi_turn_base_7"):
         task = _task(base, task_id)
         session = base.reset(task)
         user = BfclUser().start(task, session)
-        conv = Conversation(tok, RolloutConfig(max_turns=200), task, group_id=0, rollout_index=0, seed=0,
-                            session=session, user_session=user, system_ids=[1, 2, 3],
+        conv = Conversation(tok, RolloutConfig(max_turns=200, execute_all_calls=True), task, group_id=0,
+                            rollout_index=0, seed=0, session=session, user_session=user, system_ids=[1, 2, 3],
                             schemas=tool_schemas(session), max_context=10**6)
 
         def say(text, conv=conv, session=session, user=user):
             ids = tok.encode(text, add_special_tokens=False) + [IM_END_ID]
             route = conv.on_generation(ids, [0.0] * len(ids), "stop")
             if route.kind == "tool":
-                return conv.on_tool_result(execute_tool(session, route.call))
+                return conv.on_tool_results(execute_tools(session, route.calls))
             return conv.on_user_turn(user.respond(route.user_text), 0.0)
 
-        for calls in _gold_turns(task):
-            for call in calls:
-                assert say(f"<tool_call>\n{json.dumps({'name': call.name, 'arguments': call.arguments})}\n"
-                           "</tool_call>") is not None
+        turns = _gold_turns(task)
+        for calls in turns:  # each turn's calls in one message: BFCL's parallel calls
+            if calls:
+                assert say("".join(f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n"
+                                   "</tool_call>" for c in calls)) is not None
             say("All done.")
         record = conv.trajectory()
         assert record.termination == "user_stop" and record.reward == 1.0, record.details
         users = [m["content"] for m in record.messages if m["role"] == "user"]
         assert users == [*task.metadata["user_turns"], STOP]
+        # one step per turn, its calls in order (BFCL's [turn][step][call] layout)
+        steps = session.executed_steps()
+        assert [len(turn) for turn in steps] == [1 if calls else 0 for calls in turns]
+        assert [call for turn in steps for step in turn for call in step] == \
+            [format_call(c.name, c.arguments) for calls in turns for c in calls]
+        assert max(len(calls) for calls in turns) > 1  # the task really has parallel calls
 
 
 def test_bad_input_is_refused_clearly(base, envs):
@@ -289,9 +315,10 @@ def test_eval_cli_on_bfcl(tmp_path, tmp_path_factory, capsys):
                  "--max-turns", "3", "--max-new-tokens", "32", "--max-context", "8192", "--out", str(out)])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
-    figures = json.loads(stdout.strip().splitlines()[-1])
-    assert (figures["domain"], figures["split"], figures["tasks"], figures["trials"]) == ("bfcl", "test", 2, 2)
-    assert figures["bfcl_category"] == "multi_turn_base"
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert (result["split"], result["trials"]) == ("test", 2)
+    figures = result["domains"]["bfcl"]
+    assert figures["tasks"] == 2 and figures["bfcl_category"] == "multi_turn_base"
     assert figures["pass^1"] == figures["pass^2"] == 0.0 and figures["terminations"] == {"max_turns": 4}
     assert figures["calls_per_tool"] == {"<unknown>": 3.0}
     report = json.loads(out.read_text())
@@ -312,3 +339,17 @@ def test_eval_cli_on_bfcl(tmp_path, tmp_path_factory, capsys):
     with pytest.raises(SystemExit):
         main(["--checkpoint", checkpoint, "--domain", "builtin", "--bfcl-category", "miss_func"])
     assert "applies only to --domain bfcl" in capsys.readouterr().err
+
+
+def test_gold_policy_on_bfcl_scores_one_but_the_unsolvable_task(tmp_path, capsys):
+    from muajax.eval import main
+
+    out = tmp_path / "gold.json"
+    assert main(["--policy", "gold", "--domain", "bfcl", "--bfcl-category", "miss_func", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert (summary["policy"], summary["domain"], summary["split"], summary["n"]) == ("gold", "bfcl", "test", 200)
+    assert summary["reward_mean"] == pytest.approx(199 / 200) and summary["histogram"] == {"1.0": 199, "0.0": 1}
+    assert summary["not_one"] == sorted(GOLD_UNSOLVABLE) and "reward 0.0: 1 tasks" in stdout
+    tasks = json.loads(out.read_text())["tasks"]
+    assert len(tasks) == 200 and all(t["calls"] > 0 for t in tasks)

@@ -238,3 +238,33 @@ def test_scenario_validation(tmp_path, monkeypatch):
             task_id="other", domain="notes", first_user_message="x", user_scenario="y"))
     with pytest.raises(ValueError, match="unknown split"):
         McpEnvironment(scenario).tasks("dev")
+
+
+def test_a_scenario_refuses_credentials_in_the_server_command_line(tmp_path, monkeypatch):
+    """A secret reaches a server only through `env` as ${NAME}: on its command line it
+    would sit in the scenario file, in every process listing and in logs."""
+    key = "sk-mcp-5e4d3c2b1a09"
+
+    def refused(mutate):
+        data = json.loads(json.dumps(SCENARIO))
+        mutate(data["server"])
+        with pytest.raises(McpError) as info:
+            load_scenario(_write(tmp_path, data))
+        assert key not in str(info.value)
+        return str(info.value)
+
+    assert "server.args[1] holds a credential (the value of argument '--token'); pass it to the server through " \
+           "'env' as \"${NAME}\"" in refused(lambda s: s["args"].append(f"--token={key}"))
+    assert "server.args[2] holds a credential (the value of argument '--api-key')" in refused(
+        lambda s: s["args"].extend(["--api-key", key]))
+    assert "server.args[1] holds a credential (a password in the URL's userinfo" in refused(
+        lambda s: s["args"].append(f"--db=postgres://app:{key}@db/notes"))
+    assert "server.env.API_TOKEN holds a literal secret; write \"${API_TOKEN}\"" in refused(
+        lambda s: s.update(env={"API_TOKEN": key}))
+    # the way that works: the secret in muajax's environment, named in `env`; reprs hide it
+    monkeypatch.setenv("MUAJAX_MCP_TEST_TOKEN", key)
+    data = json.loads(json.dumps(SCENARIO))
+    data["server"].update(env={"API_TOKEN": "${MUAJAX_MCP_TEST_TOKEN}"}, args=[*data["server"]["args"], "--port", "0"])
+    scenario = load_scenario(_write(tmp_path, data))
+    assert scenario.server.env == {"API_TOKEN": key}
+    assert key not in repr(scenario.server) and key not in repr(scenario) and "'API_TOKEN': ***" in repr(scenario)

@@ -219,6 +219,27 @@ def test_tools_and_task_fields(envs):
         .first_user_message == "I want to exchange a keyboard."
 
 
+def test_the_tau2_tool_set_is_what_tau2s_own_agent_gets():
+    from tau2.registry import registry
+
+    for domain in DOMAINS:
+        env = Tau2Environment(domain, tools="tau2")
+        session = env.reset(env.tasks("test")[0])
+        own = [t.openai_schema for t in registry.get_env_constructor(domain)().get_tools()]
+        assert session.tools() == own  # names, order and τ2's schemas, no think
+        assert "think" not in {s["function"]["name"] for s in own}
+        obs = session.step(ToolCall("think", {"thought": "hm"}))
+        assert obs.error and "unknown tool 'think'" in obs.content
+        if domain == "telecom":  # τ2's telecom agent has no calculator
+            assert "unknown tool 'calculate'" in session.step(ToolCall("calculate", {"expression": "1+1"})).content
+        else:  # run by muajax's parser, which refuses what τ2's Python eval would hang on
+            assert session.step(ToolCall("calculate", {"expression": "(2 + 3) / 4"})).content == "1.25"
+            assert session.step(ToolCall("calculate", {"expression": "9**9**9**9"})).error
+        session.close()
+    with pytest.raises(ValueError, match="unknown τ2 tool set 'gpt'"):
+        Tau2Environment("retail", tools="gpt")
+
+
 def test_user_guidelines_come_from_tau2(envs):
     plain, tools = tau2_user_guidelines("retail"), tau2_user_guidelines("telecom")
     assert "###STOP###" in plain and "###TRANSFER###" in plain and "###OUT-OF-SCOPE###" in plain

@@ -1,0 +1,126 @@
+"""Host-side batch building: which rows an extend call or a decode chunk gets, bucketed
+shapes, and the per-row arrays the device programs read.
+
+A batch has `num_shards * rows_per_shard` rows, shard s's rows at [s * rows_per_shard,
+(s + 1) * rows_per_shard) (see kv_cache.py); `rows_per_shard` is a bucket (a power of
+two), padding rows have no tokens and a zero page-table row. Extends are chunked: one call
+takes at most the widest extend width per row and `max_extend_tokens` (rows x width) per
+shard, so no program is as wide as max_len.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from muajax.engine.kv_cache import PoolSpec
+from muajax.engine.pages import PagedSeq, PageTables
+
+# The pure-JAX path gathers a power-of-two number of pages, at least this many tokens' worth:
+# fewer dense-length buckets (compilations) for a little more gathered data on short rows.
+MIN_DENSE_TOKENS = 256
+
+
+def buckets(limit: int, minimum: int = 1) -> tuple[int, ...]:
+    return tuple(sorted({min(max(2**i, minimum), limit) for i in range(limit.bit_length() + 1)}))
+
+
+def bucket(n: int, sizes: Sequence[int]) -> int:
+    for size in sizes:
+        if n <= size:
+            return size
+    return sizes[-1]
+
+
+def dense_pages(tokens: int, spec: PoolSpec) -> int:
+    """Pages the pure-JAX path gathers to cover `tokens` positions of every row."""
+    pages = max(-(-tokens // spec.page_size), -(-MIN_DENSE_TOKENS // spec.page_size), 1)
+    return min(1 << (pages - 1).bit_length(), spec.max_pages)
+
+
+def _by_shard(items, shard_of, spec: PoolSpec, cap: int) -> list[list]:
+    groups = [[] for _ in range(spec.num_shards)]
+    for item in items:
+        if len(groups[shard_of(item)]) < cap:
+            groups[shard_of(item)].append(item)
+    return groups
+
+
+@dataclasses.dataclass
+class ExtendBatch:
+    page_table: np.ndarray  # [R, max_pages]
+    lengths: np.ndarray  # [R] tokens cached before the call
+    tokens: np.ndarray  # [R, W]
+    num_new: np.ndarray  # [R]
+    dense_pages: int
+
+
+def extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, widths: Sequence[int],
+                   row_buckets: Sequence[int], max_tokens: int, tables: PageTables) -> Iterator[ExtendBatch]:
+    """Extend calls that write every queued token (but the last, with `keep_last`) of `seqs`,
+    which must already hold pages for them. Each batch's tokens move from `queued` to
+    `cached` as it is yielded: run it before asking for the next."""
+    todo = {seq: len(seq.queued) - int(keep_last) for seq in sorted(seqs, key=lambda s: s.priority)}
+    todo = {seq: n for seq, n in todo.items() if n > 0}
+    while todo:
+        width = bucket(max(todo.values()), widths)
+        cap = max(1, min(max_tokens // width, row_buckets[-1]))
+        groups = _by_shard(todo, lambda s: s.shard, spec, cap)
+        per_shard = bucket(max(map(len, groups)), row_buckets)
+        rows = spec.num_shards * per_shard
+        layout: list[PagedSeq | None] = [None] * rows
+        tokens = np.zeros((rows, width), np.int32)
+        lengths, num_new = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+        for shard, group in enumerate(groups):
+            for i, seq in enumerate(group):
+                r, n = shard * per_shard + i, min(todo[seq], width)
+                layout[r] = seq
+                tokens[r, :n], lengths[r], num_new[r] = seq.queued[:n], seq.length, n
+                seq.cached.extend(seq.queued[:n])
+                del seq.queued[:n]
+                todo[seq] -= n
+                if todo[seq] == 0:
+                    del todo[seq]
+        if int((lengths + num_new).max()) > tables.max_pages * spec.page_size:
+            raise RuntimeError("extend past a sequence's page-table width: a bookkeeping bug")
+        yield ExtendBatch(tables.rows(layout, spec.max_pages), lengths, tokens, num_new,
+                          dense_pages(int((lengths + num_new).max()), spec))
+
+
+@dataclasses.dataclass
+class DecodeRows:
+    order: list  # the state of each row (None: padding)
+    arrays: tuple  # page_table, lengths, last, seeds, temperature, top_p, top_k, budget, limit
+    dense_pages: int
+
+
+def decode_rows(ready: Sequence[tuple], spec: PoolSpec, row_buckets: Sequence[int], tables: PageTables) -> DecodeRows:
+    """Rows for one decode chunk: `ready` holds (conversation state, limit) pairs, the state
+    having `.seq`, `.seed`, `.sampling` and `.tokens`; `limit` is the tokens its pages take."""
+    groups = _by_shard(ready, lambda item: item[0].seq.shard, spec, row_buckets[-1])
+    per_shard = bucket(max(map(len, groups)), row_buckets)
+    rows = spec.num_shards * per_shard
+    order = [None] * rows
+    lengths, last, top_k, budget, limit = (np.zeros((rows,), np.int32) for _ in range(5))
+    seeds = np.zeros((rows,), np.uint32)
+    temperature, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
+    for shard, group in enumerate(groups):
+        for i, (state, room) in enumerate(group):
+            r, seq, sp = shard * per_shard + i, state.seq, state.sampling
+            order[r] = state
+            lengths[r], last[r], seeds[r], limit[r] = seq.length, seq.queued[-1], state.seed, room
+            temperature[r], top_p[r], top_k[r] = sp.temperature, sp.top_p, sp.top_k
+            budget[r] = sp.max_new_tokens - len(state.tokens)
+    table = tables.rows([None if s is None else s.seq for s in order], spec.max_pages)
+    arrays = (table, lengths, last, seeds, temperature, top_p, top_k, budget, limit)
+    return DecodeRows(order, arrays, dense_pages(int((lengths + limit).max()), spec))
+
+
+def to_device(arrays: Sequence[np.ndarray], spec: PoolSpec) -> list:
+    """Per-row host arrays onto the devices, rows split over the shards (one transfer)."""
+    if spec.mesh is None:
+        return jax.device_put(list(arrays))
+    return jax.device_put(list(arrays), [NamedSharding(spec.mesh, spec.rows_spec(a.ndim)) for a in arrays])

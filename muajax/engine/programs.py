@@ -1,0 +1,287 @@
+"""The engine's device programs: extend (write a chunk of new tokens into the pool) and decode
+(up to `decode_chunk` sample steps on device), for either attention path, and their
+abstract arguments so that a planner can compile them for hardware it does not have.
+
+Both programs take host-made per-row arrays laid out by shard (see kv_cache.py): the page
+table [R, max_pages] (shard-local page ids), `lengths` [R] (tokens already cached), and
+donate the pool, which they return updated in place.
+
+Compilations: per rows bucket and width (extend) or rows bucket (decode), and with the
+pure-JAX path per dense-length bucket (the pages gathered, a power of two of the longest
+row); the Pallas path reads the page table as it is and has no such bucket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from muajax import parallel
+from muajax.engine import batching, kv_cache, paged_attention
+from muajax.engine.kv_cache import PoolSpec
+from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
+from muajax.engine.sampling import sample_tokens
+from muajax.models import qwen3
+from muajax.models.qwen3 import Qwen3, Qwen3Config, forward
+from muajax.models.sharding import param_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+    """Everything static about the programs (hashable)."""
+
+    pool: PoolSpec
+    max_len: int
+    decode_chunk: int
+    attention: str  # "reference" or "pallas" (resolved)
+    blocks: KernelBlocks = DEFAULT_BLOCKS
+
+    @property
+    def cfg(self) -> Qwen3Config:
+        return self.pool.cfg
+
+
+def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache_tokens: int | None = None,
+               page_size: int | None = None, decode_chunk: int = 32, attention: str = "auto",
+               blocks: KernelBlocks = DEFAULT_BLOCKS) -> ProgramSpec:
+    """The programs' static spec from the Engine's arguments (the Engine and planners both
+    come through here). Defaults: a pool of max(num_slots, shards) * max_len tokens (room for
+    every conversation at full length: no preemption), pages of 128 tokens for the Pallas
+    kernel (few pages per sequence: its page table lives in scalar memory) and 16 otherwise."""
+    attention = paged_attention.resolve_attention(attention, cfg, mesh)
+    page_size = page_size or (128 if attention == "pallas" else 16)
+    shards = 1 if mesh is None else parallel.batch_divisor(mesh)
+    tokens = kv_cache_tokens or max(num_slots, shards) * max_len
+    pool = make_pool_spec(cfg, mesh, kv_cache_tokens=tokens, page_size=page_size, max_len=max_len)
+    return ProgramSpec(pool, max_len, decode_chunk, attention, blocks)
+
+
+def make_pool_spec(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int, max_len: int) -> PoolSpec:
+    """A pool of at least `kv_cache_tokens` tokens in `page_size` pages, split evenly over the
+    mesh's data-parallel shards; each shard must hold one `max_len` sequence."""
+    if page_size < 1 or kv_cache_tokens < 1 or max_len < 2:
+        raise ValueError(f"need page_size >= 1, kv_cache_tokens >= 1, max_len >= 2; got {page_size}, "
+                         f"{kv_cache_tokens}, {max_len}")
+    shards = 1 if mesh is None else parallel.batch_divisor(mesh)
+    max_pages = -(-max_len // page_size)
+    per_shard = -(-kv_cache_tokens // (shards * page_size))
+    if per_shard < max_pages:
+        raise ValueError(f"kv_cache_tokens={kv_cache_tokens} gives each of {shards} shard(s) {per_shard} pages of "
+                         f"{page_size} tokens, fewer than one max_len={max_len} sequence needs ({max_pages})")
+    return PoolSpec(cfg, mesh, per_shard, page_size, max_pages)
+
+
+class Program:
+    """A jitted program that traces and runs under the mesh's activation rules."""
+
+    def __init__(self, fn, mesh, static_argnames=(), donate_argnums=(1,)):
+        self.mesh = mesh
+        self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnums=donate_argnums)
+
+    def __call__(self, *args, **static):
+        if self.mesh is None:
+            return self.jitted(*args, **static)
+        with parallel.activation_rules(self.mesh):
+            return self.jitted(*args, **static)
+
+    def lower(self, *args, **static):
+        if self.mesh is None:
+            return self.jitted.lower(*args, **static)
+        with parallel.activation_rules(self.mesh):
+            return self.jitted.lower(*args, **static)
+
+
+class Programs:
+    """extend(params, pool, page_table, lengths, tokens [R, W], num_new [R], *, dense_pages) -> pool
+    decode(params, pool, layer_params, page_table, lengths, last, seeds, temperature, top_p,
+           top_k, budget, limit, stop_ids, *, dense_pages) -> (pool, (tokens, logprobs, counts, reasons))
+    (`dense_pages`: the pure-JAX path's gather bucket; ignored by the Pallas path.)"""
+
+    def __init__(self, spec: ProgramSpec):
+        self.spec = spec
+        mesh = spec.pool.mesh
+        paged = spec.attention == "pallas"
+        self.extend = Program(functools.partial(_extend_pallas if paged else _extend_reference, spec), mesh,
+                              static_argnames=("dense_pages",))
+        self.decode = Program(functools.partial(_decode_pallas if paged else _decode_reference, spec), mesh,
+                              static_argnames=("dense_pages",))
+
+
+# ---------------------------------------------------------------------- program bodies
+
+
+def _extend_reference(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, *, dense_pages):
+    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages)
+    # only the cache is wanted: returning the hidden state lets XLA drop the LM head
+    _, dense = forward(params, spec.cfg, tokens, cache=dense, num_new=num_new, return_hidden=True)
+    return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, num_new, tokens.shape[1])
+
+
+def _paged_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, logits_index=None,
+                   return_hidden=False):
+    width = tokens.shape[1]
+    batch = paged_attention.kernel_batch(spec.pool, page_table, lengths, num_new, width)
+    ctx = paged_attention.paged_context(spec.cfg, lengths, width, batch)
+    hook = functools.partial(paged_attention.pallas_cache_attention, spec.pool, spec.blocks)
+    return Qwen3(spec.cfg, cache_attention=hook).apply({"params": params}, tokens, ctx, pool, logits_index,
+                                                       return_hidden, True)
+
+
+def _extend_pallas(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, *, dense_pages=None):
+    del dense_pages
+    _, pool = _paged_forward(spec, params, pool, page_table, lengths, tokens, num_new, return_hidden=True)
+    return pool
+
+
+def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table, lengths, last, seeds, temperature,
+                      top_p, top_k, budget, limit, stop_ids, *, dense_pages):
+    """With `layer_params` (per-layer weight buffers, see `Engine._layer_views`) the dense
+    cache is gathered per layer and the layers run unrolled, so a step slices nothing out of
+    a stacked array (see `forward`). Without, the layer scan over the stacked params."""
+    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, layer_params is not None)
+    zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
+
+    def step(dense, last, num_new, lengths):
+        logits, dense = forward(params, spec.cfg, last[:, None], cache=dense, num_new=num_new, logits_index=zeros,
+                                layer_params=layer_params)
+        return logits[:, 0], dense
+
+    dense, out = decode_loop(step, dense, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
+                             steps=spec.decode_chunk, max_len=spec.max_len)
+    return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, out[2], spec.decode_chunk), out
+
+
+def _decode_pallas(spec: ProgramSpec, params, pool, layer_params, page_table, lengths, last, seeds, temperature,
+                   top_p, top_k, budget, limit, stop_ids, *, dense_pages=None):
+    del layer_params, dense_pages
+    zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
+
+    def step(pool, last, num_new, lengths):
+        logits, pool = _paged_forward(spec, params, pool, page_table, lengths, last[:, None], num_new, zeros)
+        return logits[:, 0], pool
+
+    return decode_loop(step, pool, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
+                       steps=spec.decode_chunk, max_len=spec.max_len)
+
+
+def decode_loop(step, cache, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids, *,
+                steps: int, max_len: int):
+    """Up to `steps` decode steps; stops early once every row is done.
+
+    `step(cache, last [R], num_new [R], lengths [R]) -> (logits [R, V], cache)` feeds each
+    active row's last token at its `lengths`. A row runs while it has `budget` (new tokens
+    left), `limit` (tokens its pages hold this chunk; padding rows have 0) and context.
+    Reasons: 0 still running, 1 stop token, 2 budget (length), 3 context full."""
+    batch = last.shape[0]
+    keys = jax.vmap(jax.random.key)(seeds)
+    active = (limit > 0) & (budget > 0) & (lengths < max_len)
+    out_tokens = jnp.zeros((batch, steps), jnp.int32)
+    out_logprobs = jnp.zeros((batch, steps), jnp.float32)
+    counts = jnp.zeros((batch,), jnp.int32)
+    reasons = jnp.zeros((batch,), jnp.int32)
+
+    def cond(carry):
+        return (carry[0] < steps) & jnp.any(carry[3])
+
+    def body(carry):
+        i, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons = carry
+        logits, cache = step(cache, last, active.astype(jnp.int32), lengths)
+        lengths = lengths + active
+        # a conversation's key depends only on its seed and the position being sampled
+        step_keys = jax.vmap(jax.random.fold_in)(keys, lengths)
+        token, logprob = sample_tokens(logits, step_keys, temperature, top_p, top_k)
+        out_tokens = out_tokens.at[:, i].set(jnp.where(active, token, 0))
+        out_logprobs = out_logprobs.at[:, i].set(jnp.where(active, logprob, 0.0))
+        counts = counts + active
+        hit_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
+        reason = jnp.where(hit_stop, 1, jnp.where(counts >= budget, 2, jnp.where(lengths >= max_len, 3, 0)))
+        reasons = jnp.where(active, reason, reasons)
+        last = jnp.where(active, token, last)
+        active = active & (reason == 0) & (counts < limit)
+        return i + 1, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons
+
+    carry = (jnp.int32(0), cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons)
+    _, cache, _, _, _, out_tokens, out_logprobs, counts, reasons = jax.lax.while_loop(cond, body, carry)
+    return cache, (out_tokens, out_logprobs, counts, reasons)
+
+
+# ---------------------------------------------------------------------- abstract arguments (planning)
+
+
+def row_shardings(spec: PoolSpec, rows: int, width: int | None = None):
+    """Shardings of the per-row host inputs: rows over the batch axes."""
+    if spec.mesh is None:
+        return None
+    return NamedSharding(spec.mesh, spec.rows_spec(1 if width is None else 2))
+
+
+def abstract_extend_args(spec: ProgramSpec, params, rows: int, width: int):
+    pool = spec.pool
+    rows_sh, table_sh = row_shardings(pool, rows), row_shardings(pool, rows, 1)
+    i32 = jnp.int32
+    return (params, kv_cache.abstract_pool(pool), jax.ShapeDtypeStruct((rows, pool.max_pages), i32, sharding=table_sh),
+            jax.ShapeDtypeStruct((rows,), i32, sharding=rows_sh),
+            jax.ShapeDtypeStruct((rows, width), i32, sharding=table_sh),
+            jax.ShapeDtypeStruct((rows,), i32, sharding=rows_sh))
+
+
+def abstract_decode_args(spec: ProgramSpec, params, rows: int, num_stop_ids: int = 1):
+    pool = spec.pool
+    rows_sh, table_sh = row_shardings(pool, rows), row_shardings(pool, rows, 1)
+    row = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype, sharding=rows_sh)
+    stop_sh = None if pool.mesh is None else NamedSharding(pool.mesh, P())
+    return (params, kv_cache.abstract_pool(pool), None,
+            jax.ShapeDtypeStruct((rows, pool.max_pages), jnp.int32, sharding=table_sh), row(jnp.int32),
+            row(jnp.int32), row(jnp.uint32), row(jnp.float32), row(jnp.float32), row(jnp.int32), row(jnp.int32),
+            row(jnp.int32), jax.ShapeDtypeStruct((num_stop_ids,), jnp.int32, sharding=stop_sh))
+
+
+@dataclasses.dataclass
+class ProgramCall:
+    """One program with abstract arguments: `lower()` (then `.compile()`) allocates nothing."""
+
+    name: str
+    program: Program
+    args: tuple
+    static: dict
+
+    def lower(self):
+        return self.program.lower(*self.args, **self.static)
+
+
+def abstract_params(cfg: Qwen3Config, mesh):
+    """ShapeDtypeStructs of the params, in the training layout (`muajax.models.sharding.param_shardings`)."""
+    shapes = nn.meta.unbox(qwen3.abstract_params(cfg))
+    if mesh is None:
+        return shapes
+    return jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), shapes,
+                        param_shardings(cfg, mesh))
+
+
+def abstract_programs(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int | None = None,
+                      max_seqs: int, max_len: int, widths=(32, 128, 512, 2048), decode_chunk: int = 16,
+                      max_extend_tokens: int = 8192, attention: str = "auto", blocks: KernelBlocks = DEFAULT_BLOCKS,
+                      dense_tokens: int | None = None, params=None) -> list[ProgramCall]:
+    """The engine's decode program (every shard full: `max_seqs` conversations) and its extend
+    program at each width (as many rows as `max_extend_tokens` allows), as an `Engine` with
+    these arguments would build them, on abstract arguments. `dense_tokens` (pure-JAX path):
+    the positions gathered (default max_len, the worst case). `params`: abstract params
+    (default: the training layout of `cfg` on `mesh`)."""
+    spec = build_spec(cfg, mesh, num_slots=max_seqs, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
+                      page_size=page_size, decode_chunk=decode_chunk, attention=attention, blocks=blocks)
+    programs = Programs(spec)
+    params = abstract_params(cfg, mesh) if params is None else params
+    shards, row_buckets = spec.pool.num_shards, batching.buckets(-(-max_seqs // spec.pool.num_shards))
+    static = {"dense_pages": batching.dense_pages(dense_tokens or max_len, spec.pool)}
+    calls = [ProgramCall("decode", programs.decode,
+                         abstract_decode_args(spec, params, shards * row_buckets[-1]), static)]
+    for width in sorted({min(w, max_len) for w in widths}):
+        rows = batching.bucket(max(1, min(max_extend_tokens // width, row_buckets[-1])), row_buckets)
+        calls.append(ProgramCall(f"extend_{width}", programs.extend,
+                                 abstract_extend_args(spec, params, shards * rows, width), static))
+    return calls

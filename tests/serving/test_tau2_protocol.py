@@ -1,0 +1,100 @@
+"""`python -m muajax.eval --protocol tau2`: a tiny checkpoint served by muajax, τ2's own runner,
+orchestrator and evaluator, and a real HTTP user endpoint started here (the evaluation
+user a run config names, not its training user).
+
+The command runs in a subprocess, as a user runs it: τ2's runner reconfigures process-wide
+logging (loguru, litellm), which must not leak into the test process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from muajax.config.schema import UserConfig
+from tests.serving.test_serve import chain_model
+from tests.support.openai_server import ScriptedOpenAIServer
+
+OPENING = "Hi, I need help with my reservation."
+SECRET = "sk-test-not-a-real-key-7f3a"
+STOPPER = "Amelia Sanchez"  # airline 26's user: she stops at once, and her task needs no change
+
+
+def user_script(request: dict) -> str:
+    """τ2's user LLM: airline 26's user stops at once; the others ask for help, and the
+    served model (which only ever calls `calculate`) runs into τ2's step limit."""
+    return "Never mind, bye. ###STOP###" if STOPPER in request["messages"][0]["content"] else OPENING
+
+
+def test_tau2_protocol_on_airline_tasks_with_an_http_user(tmp_path_factory, tmp_path):
+    checkpoint = chain_model(tmp_path_factory)  # greedy, it answers every message with a `calculate` call
+    with ScriptedOpenAIServer(user_script, model="eval-user") as user:
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({
+            "env": {"domains": ["retail", "airline"]},
+            "user": {"kind": "openai", "model": "train-user", "base_url": "http://127.0.0.1:9/v1"},
+            "eval": {"user": {"kind": "openai", "model": "eval-user", "base_url": user.url,
+                              "api_key_env": "MUAJAX_TEST_USER_KEY"}}}))
+        # airline 26 changes nothing (her stop scores 1); 16 must change a flight, and is a split twin
+        command = [sys.executable, "-m", "muajax.eval", "--protocol", "tau2", "--checkpoint", checkpoint,
+                   "--domain", "airline", "--task-ids", "26", "16", "--trials", "2", "--config", str(config),
+                   "--max-context", "8192", "--max-new-tokens", "64", "--max-steps", "6", "--slots", "2",
+                   "--out", str(tmp_path / "airline.json")]
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu", MUAJAX_TEST_USER_KEY=SECRET)
+        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                              stdin=subprocess.DEVNULL, check=False)
+        stdout = proc.stdout
+        assert proc.returncode == 0, stdout[-3000:] + proc.stderr[-3000:]
+        requests = user.chat_requests
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert (result["protocol"], result["split"], result["trials"]) == ("tau2", "test", 2)
+    figures = result["domains"]["airline"]
+    assert figures["tasks"] == 2 and figures["simulations"] == 4 and figures["skipped"] == 0
+    assert figures["terminations"] == {"user_stop": 2, "max_steps": 2}
+    assert figures["pass^1"] == figures["pass^2"] == 0.5 and figures["avg_reward"] == 0.5
+    assert figures["dedup"] == {"tasks": 1, "avg_reward": 1.0, "pass^1": 1.0, "pass^2": 1.0, "removed": ["16"]}
+    assert "without the split twins (16)" in stdout
+    # the config's evaluation user answered (once per simulation), not its training user
+    assert len(requests) == 4 and {r.body["model"] for r in requests} == {"eval-user"}
+    assert {r.headers["authorization"] for r in requests} == {f"Bearer {SECRET}"}  # its key, from its variable
+    text = (tmp_path / "airline.json").read_text()
+    assert SECRET not in text and SECRET not in stdout  # τ2 records its LLM arguments: the key is removed
+    saved = json.loads(text)
+    assert saved["figures"]["pass^1"] == 0.5
+    for simulation in saved["results"]["simulations"]:
+        messages = simulation["messages"]
+        # τ2's orchestrator: the agent greets, then the user LLM writes
+        assert (messages[0]["role"], messages[0]["content"]) == ("assistant", "Hi! How can I help you today?")
+        assert messages[1]["role"] == "user"
+        if simulation["task_id"] == "16":  # the served agent's calls, run by τ2's environment
+            assert simulation["termination_reason"] == "max_steps" and simulation["reward_info"]["reward"] == 0.0
+            assert messages[2]["tool_calls"][0]["name"] == "calculate" and messages[3]["content"] == "5.0"
+        else:
+            assert simulation["termination_reason"] == "user_stop" and simulation["reward_info"]["reward"] == 1.0
+
+
+def test_the_user_tau2_plays(monkeypatch):
+    from muajax.serving.tau2_protocol import user_llm
+
+    monkeypatch.setenv("MY_USER_KEY", "sk-test-secret")
+    model, args = user_llm(UserConfig(kind="openai", model="gpt-4.1", api_key_env="MY_USER_KEY"))
+    assert model == "gpt-4.1" and args["api_key"] == "sk-test-secret" and "base_url" not in args
+    model, args = user_llm(UserConfig(kind="openai", model="m", base_url="http://x/v1", api_key_env=None))
+    assert model == "openai/m" and args["base_url"] == "http://x/v1" and args["api_key"] == "unused"
+    from muajax.config.fields import ConfigError
+
+    with pytest.raises(ConfigError, match="OpenAI-compatible user"):
+        user_llm(UserConfig())
+
+
+def test_tau2_protocol_refuses_what_it_cannot_run(tmp_path, capsys):
+    from muajax.eval import main
+
+    for argv, message in ((["--domain", "builtin"], "--domain must be among"),
+                          (["--domain", "retail", "--policy", "gold"], "give --checkpoint DIR, or --policy gold")):
+        with pytest.raises(SystemExit):
+            main(["--protocol", "tau2", "--checkpoint", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err
