@@ -82,3 +82,15 @@ def test_hardware_configs_never_pad_a_microbatch(path):
     micro = microbatch_count(rows, cfg.grpo.microbatch_size, SliceMesh(), "grpo.microbatch_size")
     assert rows % batch_divisor(SliceMesh(), micro) == 0
     assert cfg.grpo.logits_chunk and cfg.sft.logits_chunk and cfg.run.compilation_cache_dir
+
+
+def test_the_tau2_smoke_config_needs_only_the_user_endpoint():
+    from muajax.config.schema import ConfigError
+
+    path = os.path.join(ROOT, "configs", "smoke-tau2.yaml")
+    with pytest.raises(ConfigError, match="'user.model' is required"):
+        load_config(path)
+    cfg = load_config(path, ["user.base_url=http://127.0.0.1:9/v1", "user.model=M"])
+    assert cfg.run.stages == ("sft", "grpo") and cfg.env.domains == ("retail", "airline")
+    assert cfg.sft.data == os.path.join(ROOT, "configs", "smoke-tau2-sft.jsonl") and os.path.isfile(cfg.sft.data)
+    assert cfg.grpo.steps == 2 and cfg.env.max_train_tasks == 1 and cfg.rollout.tasks_per_step == 2

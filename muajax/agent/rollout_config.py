@@ -19,6 +19,9 @@ class RolloutConfig(Checked):
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
     end_on_malformed_call: bool = False  # the released code ends; an error observation is friendlier
+    # Rollouts whose user or setup failed (user_error, setup_error) are left out of the update;
+    # when more than this share of a step's rollouts failed, training stops (after saving).
+    max_failed_share: float = bounded(0.5, ge=0, le=1)
     # Run every tool call of a message, in order (τ2's orchestrator and BFCL do). False is
     # MUA-RL's training rollout: only the first call of a message runs.
     execute_all_calls: bool = False

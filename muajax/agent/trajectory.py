@@ -191,6 +191,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "truncated_turns": _mean(t.truncated_turns for t in trajs),
         "user_latency_s": _mean(x for t in trajs for x in t.user_latency_s),
         "failed_share": _mean(float(t.failed) for t in trajs),
+        "failed_rollouts": sum(t.failed for t in trajs),
         "confirm_before_write_rate": confirm_rate(trajs),
         "calls": {name: n / max(len(trajs), 1) for name, n in sorted(calls.items())},
         "termination": {name: n / len(trajs) for name, n in sorted(Counter(t.termination for t in trajs).items())}

@@ -23,7 +23,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from muajax.config.secrets import argument_credentials, redact, value_credentials
+from muajax.config.secrets import argument_credentials, redact, redact_arguments, value_credentials
 
 
 class ConfigError(ValueError):
@@ -49,6 +49,8 @@ def _join(path: str, name: str) -> str:
 
 
 def _short(value: Any, limit: int = 80) -> str:
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = type(value)(redact_arguments(value))  # a command line: `--token=X`, `--api-key X`
     text = redact(repr(value))  # an error message must not echo a credential inside a value
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -233,11 +235,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"'{path}' must be {_type_name(tp)}, {_got(value)}")
         val_tp = args[1] if len(args) == 2 else Any
+        # a mapping under a `*_env` key maps names to variable NAMES (`headers_env`), never secrets
+        holds_names = bool(_NOT_SECRET.search(path.rpartition(".")[2].lower()))
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ConfigError(f"'{path}': keys must be strings, got {type(k).__name__} {_short(k)}")
-            _check_secret(k, v, _join(path, k))
+            if not holds_names:
+                _check_secret(k, v, _join(path, k))
             out[k] = _coerce(v, val_tp, _join(path, k))
         return out
     raise TypeError(f"config field '{path}' has an unsupported type {tp!r}")

@@ -78,8 +78,13 @@ def _resolve_file_relative(data: dict[str, Any], path: str, keys: Sequence[str])
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         value = node.get(leaf) if isinstance(node, dict) else None
-        if isinstance(value, str) and value.startswith(("./", "../")):
-            node[leaf] = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), value))
+        here = os.path.dirname(os.path.abspath(path))
+        resolve = lambda v: (os.path.normpath(os.path.join(here, v))
+                             if isinstance(v, str) and v.startswith(("./", "../")) else v)
+        if isinstance(value, str):
+            node[leaf] = resolve(value)
+        elif isinstance(value, list):  # a list of paths (env.mcp.scenarios)
+            node[leaf] = [resolve(v) for v in value]
 
 
 def read_yaml(path: str | os.PathLike, chain: tuple[str, ...] = (),

@@ -24,6 +24,7 @@ from muajax.agent.rollout_config import RolloutConfig
 from muajax.config.fields import ConfigError, bounded, check, from_dict
 from muajax.config.loader import deep_merge, parse_overrides, read_yaml
 from muajax.domains.builtin.tasks import check_kind_weights
+from muajax.domains.mcp.config import McpConfig, McpServerConfig
 from muajax.rl.grpo import GRPOConfig
 
 __all__ = ["ConfigError", "load_config", "TrainConfig", "RunConfig", "ArchConfig", "ModelConfig", "MeshConfig",
@@ -140,29 +141,6 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class McpServerConfig:
-    """An MCP server launched from `command` (stdio) or reached at `url`; credentials reach
-    it only through the environment variables named in `env_vars`."""
-
-    command: tuple[str, ...] = ()
-    url: str | None = None
-    env_vars: tuple[str, ...] = ()
-    timeout_s: float = bounded(30.0, gt=0)
-
-    def validate(self) -> None:
-        check(bool(self.command) != (self.url is not None), "command",
-              "conflicts: set exactly one of 'command' (stdio server) or 'url'")
-        for i, name in enumerate(self.env_vars):
-            check(bool(_ENV_NAME.match(name)), f"env_vars[{i}]", "must be an environment variable name")
-
-
-@dataclasses.dataclass(frozen=True)
-class McpConfig:
-    servers: dict[str, McpServerConfig] = dataclasses.field(default_factory=dict)
-    scenarios: str | None = None  # a file of tasks for the MCP domain
-
-
-@dataclasses.dataclass(frozen=True)
 class EnvConfig:
     # "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is evaluation-only: no train split
     domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl"] = "builtin"
@@ -176,20 +154,25 @@ class EnvConfig:
     builtin_test_users: int = bounded(12, ge=0)  # 0: shared users, held-out tasks
     builtin_train_tasks: int = bounded(200, ge=1)
     builtin_test_tasks: int = bounded(50, ge=1)
+    # A "validation" split of this many tasks from the train users (none duplicates a train
+    # task): tune on it, and keep the test split for the figures you report.
+    builtin_validation_tasks: int = bounded(0, ge=0)
     # The share of each task kind in both splits (kind -> weight; null: the domain's own mix).
     builtin_kind_weights: dict[str, float] | None = None
     bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                            "multi_turn_long_context"] = "multi_turn_base"
     train_split: str = "train"
     eval_split: str = "test"
+    # At most this many train tasks from each domain (the first of its train split): smoke runs.
+    max_train_tasks: int | None = bounded(None, ge=1)
     # τ2's agent tools: "muajax" adds MUA-RL's general think (and calculate where τ2 lacks
     # it); "tau2" is exactly the list τ2's own agent gets (python -m muajax.eval uses it).
     tau2_tools: Literal["muajax", "tau2"] = "muajax"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
 
     def validate(self) -> None:
-        check(self.domain != "mcp" or bool(self.mcp.servers), "mcp.servers",
-              "must define at least one server when env.domain is 'mcp'")
+        check(self.domain != "mcp" or bool(self.mcp.scenarios), "mcp.scenarios",
+              "must list at least one scenario file when env.domain is 'mcp' (see muajax.domains.mcp.scenario)")
         if self.builtin_kind_weights is not None:
             try:
                 check_kind_weights(self.builtin_kind_weights)
@@ -348,7 +331,7 @@ class TrainConfig:
 
 # Paths a config file may give as "./x": resolved against that file (a checkpoint shipped
 # beside it), where plain relative paths mean the working directory.
-FILE_RELATIVE_KEYS = ("model.hf_dir",)
+FILE_RELATIVE_KEYS = ("model.hf_dir", "sft.data", "env.mcp.scenarios")
 
 
 def load_config(path: str | os.PathLike | None = None,

@@ -144,6 +144,12 @@ class Environment(abc.ABC):
     def reset(self, task: Task) -> EnvSession:
         """A fresh, isolated session for one rollout of `task`."""
 
+    def never_write_floor(self, tasks: list[Task], *, communicate_info: bool) -> float | None:
+        """Success on `tasks` of a careful agent that never writes to the database, where the
+        domain can play one (None otherwise): what a policy gets for free, below which a
+        lesson about when to write shows nothing."""
+        return None
+
 
 # ---------------------------------------------------------------------- the simulated user
 
@@ -204,15 +210,17 @@ def confirm_before_write_rate(per_rollout_flags: Iterable[Sequence[bool] | None]
 
 
 def sft_record(env: Environment, task: Task, messages: list[dict[str, Any]],
-               evaluation: Evaluation) -> dict[str, Any]:
+               evaluation: Evaluation, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One conversation as a line of cold-start SFT data: OpenAI-style `messages` (no system
-    message), the agent's `tools` and `system` policy, the task, its reward and, where the
-    domain judges it, whether every write was confirmed first."""
-    session = env.reset(task)
-    try:
-        tools = session.tools()
-    finally:
-        session.close()
+    message), the agent's `tools` (given, or read from a fresh session) and `system` policy,
+    the task, its reward and, where the domain judges it, whether every write was confirmed
+    first."""
+    if tools is None:
+        session = env.reset(task)
+        try:
+            tools = session.tools()
+        finally:
+            session.close()
     return {"task_id": task.task_id, "system": env.policy_for(task), "tools": tools, "messages": messages,
             "reward": float(evaluation.reward), WRITES_CONFIRMED: (evaluation.details or {}).get(WRITES_CONFIRMED)}
 

@@ -33,3 +33,10 @@ class CombinedEnvironment(Environment):
 
     def reset(self, task: Task) -> EnvSession:
         return self._env(task).reset(task)
+
+    def close(self) -> None:
+        """Close the environments that hold resources (e.g. shared MCP servers)."""
+        for env in self.by_domain.values():
+            close = getattr(env, "close", None)
+            if close is not None:
+                close()

@@ -39,15 +39,16 @@ def make_environment(env_cfg) -> Environment:
         e = env_cfg
         return BuiltinEnvironment(seed=e.builtin_seed, terse_tools=e.builtin_terse_tools, n_users=e.builtin_users,
                                   n_test_users=e.builtin_test_users, n_train_tasks=e.builtin_train_tasks,
-                                  n_test_tasks=e.builtin_test_tasks, kind_weights=e.builtin_kind_weights)
+                                  n_test_tasks=e.builtin_test_tasks, kind_weights=e.builtin_kind_weights,
+                                  n_validation_tasks=e.builtin_validation_tasks)
     if domain == "bfcl":
         from muajax.domains.bfcl.environment import BfclEnvironment  # raises with the install line when missing
 
         return BfclEnvironment(env_cfg.bfcl_category)
     if domain == "mcp":
-        from muajax.domains.mcp.environment import McpEnvironment
+        from muajax.domains.mcp.environment import environment_from_config
 
-        return McpEnvironment.from_config(env_cfg.mcp)
+        return environment_from_config(env_cfg.mcp)
     raise DomainConfigError(f"env.domain: unknown domain {domain!r}")
 
 

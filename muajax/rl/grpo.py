@@ -13,7 +13,9 @@ from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
+from muajax import parallel
 from muajax.config.fields import Checked, bounded, check
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.sharding import param_shardings
@@ -21,7 +23,7 @@ from muajax.rl.advantages import group_advantages
 from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
 from muajax.rl.optim import Optimizer
 from muajax.rl.sequence import sequence_logprobs
-from muajax.rl.step import LossFn, TrainStep, shift_left
+from muajax.rl.step import LossFn, TrainStep, shift_left, split_microbatches
 
 Schedule = Literal["constant", "warmup_cosine"]
 
@@ -62,6 +64,11 @@ class GRPOConfig(Checked):
     # update is dropped) stops the run after a checkpoint: the cause (a learning rate, a
     # poisoned batch, params gone NaN) will not fix itself. null: never stop.
     max_consecutive_skips: int | None = bounded(3, ge=0)
+    # verl's way: the old logprobs come from the trainer's own forward of the params the step
+    # starts from, not from the rollout engine (their ratio is then exactly 1 on the first
+    # pass). With one update per step that forward is the update's own (no extra cost); with
+    # mini-batches, one forward over the whole batch before the first update.
+    recompute_old_logprobs: bool = False
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
@@ -98,9 +105,13 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         tokens = mb["tokens"]
         targets = shift_left(tokens)
         mask = shift_left(mb["loss_mask"]).astype(jnp.float32)
-        old = shift_left(mb["old_logprobs"].astype(jnp.float32))
         logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
                                       logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+        if grpo.recompute_old_logprobs and grpo.minibatch_size is None:
+            # one update per step: the params being differentiated are the ones the step starts from
+            old = jax.lax.stop_gradient(logp)
+        else:
+            old = shift_left(mb["old_logprobs"].astype(jnp.float32))
         ref_logp = None
         if grpo.uses_reference:
             ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=temperature,
@@ -112,6 +123,38 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         return loss_sum, denom, sums
 
     return loss_fn
+
+
+def make_old_logprobs_fn(cfg: Qwen3Config, mesh, grpo: GRPOConfig, *, temperature: float, shared_prefix: int = 0,
+                         microbatches: int = 1) -> Callable:
+    """`fn(params, batch) -> old_logprobs` f32 [B, T]: the trainer's forward of `params` (no
+    gradient) over the batch's tokens, indexed by the token they describe like the rollout's
+    (0 off the loss mask): `grpo.recompute_old_logprobs` with mini-batches, computed for every
+    mini-batch before the step's first update. Rows run `microbatches` at a time."""
+    shardings = param_shardings(cfg, mesh)
+    rows = NamedSharding(mesh, PartitionSpec(parallel.BATCH_AXES, None))
+
+    def one(params, tokens):
+        logp, _ = sequence_logprobs(params, cfg, tokens, shift_left(tokens), temperature=temperature,
+                                    logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+        return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=1)  # by the token predicted
+
+    def fn(params, tokens, loss_mask):
+        if microbatches == 1:
+            old = one(params, tokens)
+        else:
+            split = split_microbatches(tokens, microbatches, mesh)
+            old = jax.lax.map(lambda t: one(params, t), split)
+            old = old.swapaxes(0, 1).reshape(tokens.shape)  # undo the strided split
+        return jnp.where(loss_mask > 0, old, 0.0)
+
+    jitted = jax.jit(fn, in_shardings=(shardings, rows, rows), out_shardings=rows)
+
+    def old_logprobs(params, batch):
+        with parallel.activation_rules(mesh):
+            return jitted(params, batch["tokens"], batch["loss_mask"])
+
+    return old_logprobs
 
 
 def grpo_prepare_fn(grpo: GRPOConfig, num_groups: int | None) -> Callable[[dict], dict]:

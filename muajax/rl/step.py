@@ -56,7 +56,7 @@ def shift_left(x: jax.Array, fill=0) -> jax.Array:
     return jnp.concatenate([x[:, 1:], pad], axis=1)
 
 
-def _split_microbatches(x: jax.Array, k: int, mesh) -> jax.Array:
+def split_microbatches(x: jax.Array, k: int, mesh) -> jax.Array:
     """[B, ...] -> [k, B/k, ...] with microbatch j = rows j, j+k, j+2k, ...
 
     Strided rather than contiguous: each device's contiguous block of rows then holds an
@@ -162,7 +162,7 @@ class TrainStep:
         if k == 1:
             (loss_sum, (denom, sums)), grads = grad_fn(params, batch)
         else:
-            micro = jax.tree.map(lambda x: _split_microbatches(x, k, self.mesh), batch)
+            micro = jax.tree.map(lambda x: split_microbatches(x, k, self.mesh), batch)
             constrain = lambda g: jax.lax.with_sharding_constraint(g, self.param_shardings)
 
             def body(carry, mb):

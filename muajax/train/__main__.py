@@ -9,7 +9,9 @@ and ends with one JSON line of its figures.
 Exit codes: 0 done; 2 a problem with the config or the resume, found before any file is
 written (a bad key, no checkpoint for --resume, a saved config that differs in the math,
 a checkpoint that does not fit, a missing API key); 1 the run stopped (a checkpoint that
-cannot be read, too many non-finite steps), with a message.
+cannot be read, too many non-finite steps), with a message; 3 too many of a step's
+rollouts failed (`rollout.max_failed_share`: an endpoint or environment down; the run
+can be resumed).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from muajax.config.schema import ConfigError, load_config
 from muajax.domains.registry import DomainConfigError
 from muajax.train.checkpoint import CheckpointError
 from muajax.train.distributed import maybe_initialize_distributed
+from muajax.train.grpo import FailedRolloutsError
 from muajax.train.loop import TrainingStopped
 from muajax.train.resume import ResumeError
 from muajax.train.trainer import Trainer
@@ -82,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as exc:
         print(f"muajax.train: {exc}", file=sys.stderr, flush=True)
         return 1
+    except FailedRolloutsError as exc:  # an endpoint or environment down, not a bug: no traceback
+        print(f"muajax.train: error: {exc}", file=sys.stderr, flush=True)
+        return 3
     if jax.process_index() == 0:
         print(json.dumps(summary, default=_jsonable), flush=True)
     return 0

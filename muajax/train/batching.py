@@ -145,6 +145,19 @@ def mask_uniform_groups(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return batch
 
 
+def mask_failed(batch: dict[str, np.ndarray], failed: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows of rollouts whose user or setup failed keep their place but leave the update:
+    loss mask 0, and group `PAD_GROUP`, so their group's mean and std are those of the
+    rollouts that did not fail."""
+    failed = np.asarray(failed, bool)
+    if failed.shape != batch["group_ids"].shape:
+        raise ValueError(f"one failed flag per row: got {failed.shape[0]} for {batch['group_ids'].shape[0]} rows")
+    batch = dict(batch)
+    batch["loss_mask"] = batch["loss_mask"] * ~failed[:, None]
+    batch["group_ids"] = np.where(failed, np.int32(PAD_GROUP), batch["group_ids"]).astype(np.int32)
+    return batch
+
+
 def minibatches(batch: dict[str, np.ndarray], size: int | None) -> list[dict[str, np.ndarray]]:
     """The batch in consecutive mini-batches of `size` rows (None: the whole batch), as verl
     splits a rollout batch for its PPO updates. The rows must carry their advantages already:

@@ -5,6 +5,7 @@ user) comes from `muajax.domains.registry`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -13,6 +14,7 @@ from muajax import parallel
 from muajax.agent.chat import format_tool_error, render_messages_ids, system_prompt_ids
 from muajax.config.schema import ConfigError, TrainConfig
 from muajax.domains.base import Environment
+from muajax.domains.builtin import BuiltinEnvironment
 from muajax.domains.builtin.base_record import seen_shops
 from muajax.domains.builtin.expert import expert_conversation
 from muajax.domains.builtin.warmup import warmup_windows as builtin_warmup_windows
@@ -28,23 +30,41 @@ def make_mesh(cfg: TrainConfig):
     return parallel.make_mesh(*cfg.mesh.resolve(jax.device_count()))
 
 
-def domain_ids(env: Environment, tokenizer) -> set[int]:
+def _vocabulary_conversations(env: Environment, task) -> list[list[dict]]:
+    """Conversations whose token streams hold the ids the domain uses: the built-in expert's
+    (careful and careless), else the task's opening and its gold calls as the agent would
+    write them (the results of the calls are not run: a tiny model sees those as text)."""
+    if isinstance(env, BuiltinEnvironment):
+        return [expert_conversation(env, task, careless=careless, seed=0, evaluate=False)[0]
+                for careless in (0.0, 1.0)]
+    messages = [{"role": "user", "content": task.first_user_message}]
+    for i, call in enumerate(task.gold_actions):
+        function = {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
+        messages.append({"role": "assistant", "content": "",
+                         "tool_calls": [{"id": f"c{i}", "type": "function", "function": function}]})
+        messages.append({"role": "tool", "tool_call_id": f"c{i}", "content": "ok"})
+    return [messages]
+
+
+def domain_ids(env: Environment, tokenizer, splits: tuple[str, ...] = ("train", "test")) -> set[int]:
     """Every Qwen3 id the domain can put in a conversation, taken from the token streams
     exactly as rendered (system turn, tool-call blocks, tool responses, chat markers) of
-    the scripted expert's careful and careless conversations on all tasks — a vocabulary,
-    not outcomes. Encoding bare message texts instead misses the ids BPE forms across the
-    format's seams (`"}}\n`, ` "#`), which would then map to UNK in every tool call."""
+    `_vocabulary_conversations` on all tasks of `splits` — a vocabulary, not outcomes.
+    Encoding bare message texts instead misses the ids BPE forms across the format's seams
+    (`"}}\n`, ` "#`), which would then map to UNK in every tool call."""
     ids: set[int] = set(tokenizer.encode(format_tool_error("tool call is not valid JSON"), add_special_tokens=False))
-    for split in ("train", "test"):
+    prompts: dict[str, tuple] = {}  # one system prompt per domain (an MCP session starts a server)
+    for split in dict.fromkeys(splits):
         for task in env.tasks(split):
-            session = env.reset(task)
-            try:
-                system, tools = env.policy_for(task), session.tools()
-            finally:
-                session.close()
-            ids.update(system_prompt_ids(tokenizer, system, tools))
-            for careless in (0.0, 1.0):
-                messages, _ = expert_conversation(env, task, careless=careless, seed=0, evaluate=False)
+            if task.domain not in prompts:
+                session = env.reset(task)
+                try:
+                    prompts[task.domain] = (env.policy_for(task), session.tools())
+                finally:
+                    session.close()
+                ids.update(system_prompt_ids(tokenizer, *prompts[task.domain]))
+            system, tools = prompts[task.domain]
+            for messages in _vocabulary_conversations(env, task):
                 ids.update(render_messages_ids(tokenizer, system, tools, messages)[0])
     return ids
 
@@ -82,7 +102,7 @@ def model_and_tokenizer(cfg: TrainConfig, env: Environment, run_dir: str, tokeni
         if os.path.isfile(path):
             vocab = DomainVocab.load(path)
         else:
-            ids = domain_ids(env, tokenizer)
+            ids = domain_ids(env, tokenizer, (cfg.env.train_split, cfg.env.eval_split))
             if cfg.sft.domain_warmup_steps and "sft" in cfg.run.stages:
                 for window in warmup_windows(cfg):
                     ids.update(render_messages_ids(tokenizer, None, None, window)[0])

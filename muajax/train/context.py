@@ -6,6 +6,7 @@ the rollout engine (built once), and where its files go.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from typing import Any
@@ -51,6 +52,18 @@ class RunContext:
     @property
     def pad_id(self) -> int:
         return int(getattr(self.tok, "pad_token_id", None) or 0)
+
+    def train_tasks(self) -> list:
+        """The train split; with `env.max_train_tasks`, the first N tasks of each domain."""
+        tasks, cap = self.domain.env.tasks(self.cfg.env.train_split), self.cfg.env.max_train_tasks
+        if cap is None:
+            return tasks
+        kept, per_domain = [], collections.Counter()
+        for task in tasks:
+            if per_domain[task.domain] < cap:
+                per_domain[task.domain] += 1
+                kept.append(task)
+        return kept
 
     def eval_domain(self) -> Domain:
         """The domain evaluations run on: the run's, with `eval.user` as its user when set."""

@@ -22,14 +22,38 @@ from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.config.fields import config_to_dict
 from muajax.rl.advantages import group_advantages
-from muajax.rl.grpo import make_grpo_step
+from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
 from muajax.train import distributed
-from muajax.train.batching import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_uniform_groups,
-                                   microbatch_count, minibatches, pad_to_multiple)
+from muajax.train.batching import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_failed,
+                                   mask_uniform_groups, microbatch_count, minibatches, pad_to_multiple)
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
+
+
+class FailedRolloutsError(RuntimeError):
+    """More than `rollout.max_failed_share` of a step's rollouts failed (user or setup errors):
+    the step was not applied, and the state before it is saved for `--resume`."""
+
+
+def stop_on_failures(ctx: RunContext, ckpt, index: int, state, trajectories, position: int) -> None:
+    """Raise `FailedRolloutsError` when too many of the step's rollouts failed, after saving
+    the state the step started from as checkpoint `index` (task stream at `position`), so
+    that a resumed run redoes this very step."""
+    r = ctx.cfg.rollout
+    failed = [t for t in trajectories if t.failed]
+    if len(failed) <= r.max_failed_share * len(trajectories):
+        return
+    if index not in ckpt.steps():
+        ckpt.save(index, state, config=config_to_dict(ctx.cfg), force=True, data_position=position)
+    kinds = sorted({t.termination for t in failed})
+    first_error = str(failed[0].error).rstrip(".")
+    raise FailedRolloutsError(
+        f"GRPO step {index + 1}: {len(failed)} of {len(trajectories)} rollouts failed ({', '.join(kinds)}), more "
+        f"than rollout.max_failed_share={r.max_failed_share:g}; the first error: {first_error}. The step was "
+        f"not applied; the state before it is checkpoint {index} in {ckpt.directory}: once the user endpoint or "
+        f"environment works again, continue with --resume.")
 
 
 class TaskStream:
@@ -93,20 +117,24 @@ def _place(ctx: RunContext, batch: dict, divisor: int) -> dict:
 FIRST_PASS_KEYS = ("clip_frac", "ratio_abs_dev")
 
 
-def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int):
+def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int, old_logprobs_fn=None):
     """The step's optimizer update(s); returns the state and the mean of their metrics, with
-    `updates`, their number, and `first_pass/...`, the first update's FIRST_PASS_KEYS."""
+    `updates`, their number, and `first_pass/...`, the first update's FIRST_PASS_KEYS.
+    `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs) replaces every
+    mini-batch's old logprobs before the first update."""
     g = ctx.cfg.grpo
-    if g.minibatch_size is None:  # the paper's: one update on the whole batch
-        parts = [batch]
+    if g.minibatch_size is None:  # the paper's: one update on the whole batch (ppo_epochs is 1)
+        parts = [_place(ctx, batch, divisor)]
     else:
         local_size = g.minibatch_size // jax.process_count()
-        parts = [part for _ in range(g.ppo_epochs) for part in minibatches(with_advantages(batch, g), local_size)]
+        parts = [_place(ctx, part, divisor) for part in minibatches(with_advantages(batch, g), local_size)]
+        if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
+            parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
     records = []
-    for part in parts:
-        placed = _place(ctx, part, divisor)
-        state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
-        records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
+    for _ in range(g.ppo_epochs):
+        for placed in parts:
+            state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
+            records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
     summary = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
     summary.update({f"first_pass/{k}": records[0][k] for k in FIRST_PASS_KEYS})
     return state, {**summary, "updates": float(len(records))}
@@ -115,7 +143,7 @@ def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: in
 def run_grpo(ctx: RunContext, params):
     """GRPO from `params` (also the KL reference); returns the trained params."""
     cfg, r, g = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo
-    tasks = ctx.domain.env.tasks(cfg.env.train_split)
+    tasks = ctx.train_tasks()
     steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
     batch_size = r.n_per_task * r.tasks_per_step
     micro = microbatch_count(g.minibatch_size or batch_size, g.microbatch_size, ctx.mesh, "grpo.microbatch_size")
@@ -124,6 +152,10 @@ def run_grpo(ctx: RunContext, params):
     optimizer = optimizer_from_config(g, total_steps=steps * g.updates_per_step(batch_size))
     step_fn = make_grpo_step(ctx.model_cfg, optimizer, ctx.mesh, grpo=g, temperature=max(r.temperature, 1e-6),
                              num_groups=r.tasks_per_step, shared_prefix=prefix, microbatches=micro)
+    old_logprobs_fn = None
+    if g.recompute_old_logprobs and g.minibatch_size is not None:  # one update per step: the loss does it
+        old_logprobs_fn = make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g, temperature=max(r.temperature, 1e-6),
+                                               shared_prefix=prefix, microbatches=micro)
     reference = jax.device_put(params, step_fn.param_shardings) if g.uses_reference else None
     state = step_fn.init_state(params)
     stream = TaskStream(tasks, cfg.run.seed)
@@ -143,20 +175,24 @@ def run_grpo(ctx: RunContext, params):
         device_before = engine.stats["device_s"]
         # multi-host: this process rolls out its contiguous share of the step's tasks (one
         # process: all of them) under their global indices, so seeds and group ids are the step's
+        position = stream.position
         first, chosen = distributed.task_share(stream.take(r.tasks_per_step))
         trajectories = run_rollouts_sync(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
                                          seed=step_seed(cfg.run.seed, index), first_task_index=first)
         t_rollout = time.time() - t0
+        everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
+        stop_on_failures(ctx, ckpt, index, state, everyone, position)
         batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, first_group=first,
                                           length_of=lambda longest: bucket_length(longest, buckets))
+        batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
         if common_prefix(batch["tokens"]) < prefix:
             raise RuntimeError(f"rollouts no longer share the {prefix}-token system prompt")
         if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
             batch = mask_uniform_groups(batch)
         t1 = time.time()
-        state, metrics = _update(ctx, step_fn, state, batch, reference, divisor)
+        state, metrics = _update(ctx, step_fn, state, batch, reference, divisor, old_logprobs_fn)
         t_update = time.time() - t1
-        trajectories = distributed.gather_for_metrics(trajectories)  # multi-host: metrics of the whole step
+        trajectories = everyone
         sampled = int(sum(t.num_sampled for t in trajectories))
         record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
                   "time/rollout_s": t_rollout, "time/update_s": t_update,
@@ -171,7 +207,9 @@ def run_grpo(ctx: RunContext, params):
                                             "tokens_per_s": rec["throughput/sampled_tokens_per_s"]},
                           line=lambda i, rec: f"[grpo] step {i}/{steps}: reward {rec.get('reward', 0.0):.3f}, "
                                               f"kl {rec.get('kl', 0.0):.4f}, rollout {rec['time/rollout_s']:.1f}s, "
-                                              f"update {rec['time/update_s']:.1f}s"),
+                                              f"update {rec['time/update_s']:.1f}s"
+                                              + (f", {rec['failed_rollouts']:g} failed rollouts"
+                                                 if rec.get("failed_rollouts") else "")),
              CheckpointHook(ckpt, steps, config=config_to_dict(cfg), extra=lambda i: {"data_position": stream.position}),
              NonFiniteHook(g.max_consecutive_skips, "grpo.max_consecutive_skips")]
     return run_steps(state, start, steps, step, hooks).params

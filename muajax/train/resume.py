@@ -49,7 +49,7 @@ MAY_CHANGE = ("run.name", "run.out_dir", "checkpoint.", "metrics.", "eval.", "en
               "model.remat", "model.attention", "grpo.microbatch_size", "grpo.logits_chunk", "sft.microbatch_size",
               "rollout.num_slots", "rollout.tool_workers", "rollout.overlap_io", "rollout.user_timeout_s",
               "user.base_url", "user.api_key_env", "user.timeout_s", "user.max_retries", "user.max_concurrency",
-              "grpo.max_consecutive_skips", "sft.max_consecutive_skips")
+              "grpo.max_consecutive_skips", "sft.max_consecutive_skips", "rollout.max_failed_share")
 _ABSENT = "(absent)"
 
 

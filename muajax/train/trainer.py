@@ -93,6 +93,11 @@ class Trainer:
             result = evaluate(ctx, params, stage)
             figures.update({f"heldout_success_{stage}": result["success"],
                             f"confirm_rate_{stage}": result["confirm_rate"], f"partial_{stage}": result["partial"]})
+        floor = ctx.domain.env.never_write_floor(ctx.eval_tasks(), communicate_info=cfg.eval.communicate_info)
+        if floor is not None:
+            figures["floor_success"] = floor
+            if ctx.main:
+                print(f"[floor] held-out success of an agent that never writes: {floor:.3f}", flush=True)
         figures["params_sha256"] = params_fingerprint(params)
         figures["wall_s"] = round(time.time() - self.start_time, 1)
         figures["run_dir"] = cfg.run_dir

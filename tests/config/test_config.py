@@ -139,8 +139,16 @@ def test_bad_types_and_choices(override, message):
     (["env.builtin_kind_weights={cancel: -1}"], r"'env.builtin_kind_weights' .*finite number >= 0"),
     (["env.builtin_kind_weights={cancel: lots}"], r"'env.builtin_kind_weights.cancel' must be a float, got str 'lots'"),
     (["user.kind=openai"], r"'user.model' is required when user.kind is 'openai'"),
-    (["env.domain=mcp"], r"'env.mcp.servers' must define at least one server"),
-    (["env.mcp.servers.s.url=http://x", "env.mcp.servers.s.command=[run]"], r"'env.mcp.servers.s.command' conflicts"),
+    (["env.domain=mcp"], r"'env.mcp.scenarios' must list at least one scenario file"),
+    (["env.mcp.servers.s.url=http://x", "env.mcp.servers.s.command=run"], r"'env.mcp.servers.s.command' conflicts"),
+    (["env.mcp.servers.s.args=[x]"], r"'env.mcp.servers.s.command' or 'url' is required"),
+    (["env.mcp.servers.s.url=ftp://x"], r"'env.mcp.servers.s.url' must be an http\(s\) URL"),
+    (["env.mcp.servers.s.url=http://x", "env.mcp.servers.s.env_vars=[HOME]"],
+     r"'env.mcp.servers.s.env_vars' applies only to a stdio server"),
+    (["env.mcp.servers.s.command=run", "env.mcp.servers.s.env_vars=[sk-abc]"],
+     r"'env.mcp.servers.s.env_vars\[0\]' must be NAME or SERVER_NAME=NAME"),
+    (["env.mcp.servers.s.url=http://x", "env.mcp.servers.s.headers_env={Authorization: Bearer abc}"],
+     r"'env.mcp.servers.s.headers_env.Authorization' must be the NAME of an environment variable"),
     (["sft.microbatch_size=48"], r"'sft.microbatch_size' \(48\) must divide batch_size \(128\)"),
     (["rollout.max_context=50000"], r"'rollout.max_context' \(50000\) exceeds model.arch.max_position_embeddings"),
 ])
@@ -198,6 +206,12 @@ def test_dot_relative_checkpoint_paths_follow_their_file(tmp_path, monkeypatch):
     assert load_config(plain).model.hf_dir == "checkpoints/Qwen3-8B"  # plain relative: the working directory
     # on the command line "./" keeps meaning the working directory
     assert load_config(child, ["model.hf_dir=./other"]).model.hf_dir == "./other"
+    # the SFT data and MCP scenario files shipped beside a config follow it too
+    data = write(tmp_path / "sub" / "data.yaml", "sft: {data: ./sft.jsonl}\nenv:\n  domain: mcp\n"
+                 "  mcp: {scenarios: [./a.yaml, b.yaml, ../c.yaml]}\n")
+    cfg = load_config(data)
+    assert cfg.sft.data == str(tmp_path / "sub" / "sft.jsonl")
+    assert cfg.env.mcp.scenarios == (str(tmp_path / "sub" / "a.yaml"), "b.yaml", str(tmp_path / "c.yaml"))
 
 
 def test_base_errors(tmp_path):
@@ -241,13 +255,17 @@ def test_secret_like_names_that_are_fine():
 
 def test_round_trip(tmp_path):
     cfg = load_config(None, ["run.stages=[sft, grpo]", "sft.data=data/sft.jsonl", "grpo.learning_rate=1e-7",
-                             "env.mcp.servers.fs.command=[npx, server]", "env.mcp.servers.fs.env_vars=[HOME]",
+                             "env.mcp.servers.fs.command=npx", "env.mcp.servers.fs.args=[server]",
+                             "env.mcp.servers.fs.env_vars=[HOME]", "env.mcp.servers.web.url=http://127.0.0.1:1/mcp",
+                             "env.mcp.servers.web.headers_env={Authorization: WEB_AUTH}",
                              "mesh.data=2", "grpo.dual_clip=null"])
     text = L.dump_yaml(cfg, tmp_path / "dump.yaml")
     assert "learning_rate: 1.0e-07" in text and (tmp_path / "dump.yaml").read_text() == text
     again = load_config(tmp_path / "dump.yaml")
     assert again == cfg
-    assert F.config_to_dict(again)["env"]["mcp"]["servers"]["fs"]["command"] == ["npx", "server"]
+    servers = F.config_to_dict(again)["env"]["mcp"]["servers"]
+    assert servers["fs"]["command"] == "npx" and servers["fs"]["args"] == ["server"]
+    assert servers["web"]["headers_env"] == {"Authorization": "WEB_AUTH"}
 
 
 def test_generic_from_dict():

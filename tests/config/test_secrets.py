@@ -8,7 +8,7 @@ from muajax.config.secrets import (argument_credentials, looks_secret_name, reda
                                    value_credentials)
 
 KEY = "sk-muajax-9f8e7d6c5b4a3210"
-MCP = ["env.domain=mcp"]
+MCP = ["env.domain=mcp", "env.mcp.scenarios=[notes.yaml]"]
 
 
 @pytest.mark.parametrize("overrides, key, where", [
@@ -17,13 +17,15 @@ MCP = ["env.domain=mcp"]
     (["user.base_url=https://api.example.com/v1?api_key=KEY"], "user.base_url", "the URL query parameter 'api_key'"),
     (["user.base_url=https://h.example/v1?x=1&X-Amz-Signature=KEY"], "user.base_url", "'X-Amz-Signature'"),
     (["user.base_url=https://h.example/v1?accessToken=KEY"], "user.base_url", "'accessToken'"),
-    ([*MCP, "env.mcp.servers.notes.command=[python, server.py, --token=KEY]"], "env.mcp.servers.notes.command[2]",
+    ([*MCP, "env.mcp.servers.notes.command=python", "env.mcp.servers.notes.args=[server.py, --token=KEY]"],
+     "env.mcp.servers.notes.args[1]",
      "the value of argument '--token'"),
-    ([*MCP, "env.mcp.servers.notes.command=[python, server.py, --api-key, KEY]"],
-     "env.mcp.servers.notes.command[3]", "the value of argument '--api-key'"),
-    ([*MCP, "env.mcp.servers.notes.command=[npx, srv, --db, 'postgres://app:KEY@db:5432/x']"],
-     "env.mcp.servers.notes.command[3]", "userinfo"),
-    ([*MCP, "env.mcp.servers.notes.command=[srv, --password, KEY]"], "env.mcp.servers.notes.command[2]",
+    ([*MCP, "env.mcp.servers.notes.command=python", "env.mcp.servers.notes.args=[server.py, --api-key, KEY]"],
+     "env.mcp.servers.notes.args[2]", "the value of argument '--api-key'"),
+    ([*MCP, "env.mcp.servers.notes.command=npx", "env.mcp.servers.notes.args=[srv, --db, 'postgres://app:KEY@db:5432/x']"],
+     "env.mcp.servers.notes.args[2]", "userinfo"),
+    ([*MCP, "env.mcp.servers.notes.command=srv", "env.mcp.servers.notes.args=[--password, KEY]"],
+     "env.mcp.servers.notes.args[1]",
      "'--password'"),
     ([*MCP, "env.mcp.servers.notes.url=https://mcp.example.com/sse?token=KEY"], "env.mcp.servers.notes.url",
      "the URL query parameter 'token'"),
@@ -52,9 +54,10 @@ def test_a_config_file_with_a_credential_is_refused_too(tmp_path):
 def test_values_that_only_look_alike_pass():
     cfg = load_config(None, [
         "user.base_url=http://127.0.0.1:8000/v1?model=x&page=2", *MCP,
-        "env.mcp.servers.notes.command=[python, s.py, --port, '8080', --max-tokens, '5', --token-file, /run/t,"
+        "env.mcp.servers.notes.command=python",
+        "env.mcp.servers.notes.args=[s.py, --port, '8080', --max-tokens, '5', --token-file, /run/t,"
         " --api-key-env, MY_KEY, --verbose, --auth]", "rollout.system_text='Basic information: tokens cost money.'"])
-    assert cfg.env.mcp.servers["notes"].command[3] == "8080"
+    assert cfg.env.mcp.servers["notes"].args[2] == "8080"
     assert not value_credentials("see https://example.com/docs?q=keyboard#token")
 
 

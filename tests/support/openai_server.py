@@ -116,8 +116,10 @@ class ScriptedOpenAIServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
+        # log_config=None: uvicorn's own dictConfig would close every existing logging handler,
+        # and absl's closes its stream, which under pytest's capsys is pytest's capture file.
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1, log_config=None,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

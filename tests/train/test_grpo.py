@@ -89,3 +89,12 @@ def test_a_run_whose_steps_keep_going_non_finite_stops_after_saving(tmp_path):
     assert [r["skipped"] for r in records] == [0.0, 1.0, 1.0, 1.0]
     assert finished_steps(os.path.join(cfg.checkpoint_dir, "grpo")) == [4]  # the schedule saves at 100 only
     assert not os.path.exists(os.path.join(cfg.run_dir, "eval_grpo.json"))  # a stopped run is not evaluated
+
+
+def test_recomputed_old_logprobs_in_the_grpo_stage(tmp_path):
+    # one update per step: the update's own forward gives the old logprobs, ratio exactly 1
+    _, _, record = one_step(tmp_path, "recompute", "grpo.recompute_old_logprobs=true")
+    assert record["ratio_mean"] == 1.0 and record["ppo_kl"] == 0.0 and record["clip_frac"] == 0.0
+    # mini-batches: one forward before the first update (here one mini-batch of the whole batch)
+    _, _, record = one_step(tmp_path, "recompute-mini", "grpo.recompute_old_logprobs=true", "grpo.minibatch_size=4")
+    assert record["updates"] == 1 and abs(record["ratio_mean"] - 1.0) < 1e-5 and abs(record["ppo_kl"]) < 1e-5

@@ -66,13 +66,14 @@ def test_the_api_key_reaches_no_file_of_the_run_and_no_output(tmp_path):
 @pytest.mark.parametrize("override, key_name", [
     ("user.base_url=http://me:{key}@127.0.0.1:9/v1", "user.base_url"),
     ("user.base_url=http://127.0.0.1:9/v1?api_key={key}", "user.base_url"),
-    ("env.mcp.servers.notes.command=[python, notes_server.py, --api-key, '{key}']", "env.mcp.servers.notes.command[3]"),
-    ("env.mcp.servers.notes.command=[python, notes_server.py, '--token={key}']", "env.mcp.servers.notes.command[2]"),
+    ("env.mcp.servers.notes.args=[notes_server.py, --api-key, '{key}']", "env.mcp.servers.notes.args[2]"),
+    ("env.mcp.servers.notes.args=[notes_server.py, '--token={key}']", "env.mcp.servers.notes.args[1]"),
 ])
 def test_a_credential_in_a_url_or_an_mcp_argument_is_refused_before_anything_is_written(tmp_path, override,
                                                                                       key_name):
     key = f"sk-muajax-{uuid.uuid4().hex}"
-    extra = ["env.domain=mcp"] if override.startswith("env.mcp") else []
+    extra = ["env.domain=mcp", "env.mcp.scenarios=[notes.yaml]", "env.mcp.servers.notes.command=python"] \
+        if override.startswith("env.mcp") else []
     result = run_train([*RUN, *extra, f"run.out_dir={tmp_path}", override.format(key=key)], key, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"muajax.train: config error: '{key_name}' holds a credential" in result.stderr

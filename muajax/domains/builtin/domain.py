@@ -19,12 +19,13 @@ from typing import Any
 from muajax.domains.base import Environment, EnvSession, Evaluation, Observation, Task, ToolCall
 from muajax.domains.builtin.confirm import message_text, write_calls
 from muajax.domains.builtin.database import db_hash, generate_database
+from muajax.domains.builtin.expert import never_write_floor
 from muajax.domains.builtin.policy import POLICY
 from muajax.domains.builtin.tasks import DOMAIN, KIND_WEIGHTS, generate_tasks
 from muajax.domains.builtin.tools import WRITE_TOOLS, Shop, ToolError, short, tool_schemas
 from muajax.domains.general_tools import GENERAL_TOOL_NAMES, GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, run_general_tool
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "test", "validation")
 
 
 @dataclasses.dataclass
@@ -173,7 +174,9 @@ class BuiltinEnvironment(Environment):
 
     def __init__(self, seed: int = 0, n_users: int = 60, n_test_users: int = 12,
                  n_train_tasks: int = 200, n_test_tasks: int = 50, terse_tools: bool = False,
-                 kind_weights: Mapping[str, float] | None = None):
+                 kind_weights: Mapping[str, float] | None = None, n_validation_tasks: int = 0):
+        """`n_validation_tasks` > 0 adds a "validation" split: tasks of the train users that no
+        train task duplicates, for tuning without touching the held-out test split."""
         if not isinstance(n_test_users, int) or not 0 <= n_test_users < n_users:
             raise ValueError(f"n_test_users must be in [0, n_users), got {n_test_users!r} with n_users={n_users!r}")
         self.seed = seed
@@ -187,11 +190,14 @@ class BuiltinEnvironment(Environment):
         self.test_users = tuple(sorted(order[:n_test_users])) if n_test_users else tuple(users)
         self.train_users = tuple(sorted(order[n_test_users:]))
         seen: set[tuple] = set()
-        self._tasks = {
-            split: generate_tasks(self._db, users, split, n, seed, seen,
-                                  KIND_WEIGHTS if kind_weights is None else kind_weights)
-            for split, users, n in (("train", self.train_users, n_train_tasks), ("test", self.test_users, n_test_tasks))
-        }
+        # Generated in this order, each seeing the ones before: train and test are the same
+        # whether or not there is a validation split.
+        splits = [("train", self.train_users, n_train_tasks), ("test", self.test_users, n_test_tasks)]
+        if n_validation_tasks:
+            splits.append(("validation", self.train_users, n_validation_tasks))
+        weights = KIND_WEIGHTS if kind_weights is None else kind_weights
+        self._tasks = {split: generate_tasks(self._db, users, split, n, seed, seen, weights)
+                       for split, users, n in splits}
         self._gold_hashes: dict[str, str] = {}
 
     def policy(self) -> str:
@@ -199,8 +205,12 @@ class BuiltinEnvironment(Environment):
 
     def tasks(self, split: str) -> list[Task]:
         if split not in self._tasks:
-            raise ValueError(f"unknown split {split!r}; the built-in domain has {', '.join(SPLITS)}")
+            hint = " (set env.builtin_validation_tasks for a validation split)" if split == "validation" else ""
+            raise ValueError(f"unknown split {split!r}; this built-in domain has {', '.join(self._tasks)}{hint}")
         return list(self._tasks[split])
+
+    def never_write_floor(self, tasks: list[Task], *, communicate_info: bool) -> float:
+        return never_write_floor(self, tasks, communicate_info=communicate_info)
 
     def fresh_db(self) -> dict[str, Any]:
         """A private copy of the initial database (unpickling is the cheapest deep copy:

@@ -17,6 +17,7 @@ from typing import Any
 
 from muajax.domains.base import Environment, EnvSession, Evaluation, Task, ToolCall, UserSession, sft_record
 from muajax.domains.builtin.confirm import is_affirmative
+from muajax.domains.builtin.tools import WRITE_TOOLS
 from muajax.domains.builtin.user import ScriptedUser
 
 _MODIFY = re.compile(r"change the (\w+) in order (#o\d+) to (.+?)\.?$", re.IGNORECASE)
@@ -36,11 +37,12 @@ def _named(text: str, options: str) -> bool:
 
 
 class _Expert:
-    def __init__(self, task: Task, session: EnvSession, user: UserSession, careless: bool):
+    def __init__(self, task: Task, session: EnvSession, user: UserSession, careless: bool, never_write: bool = False):
         self.task = task
         self.session = session
         self.user = user
         self.careless = careless
+        self.never_write = never_write
         self.messages: list[dict[str, Any]] = [{"role": "user", "content": task.first_user_message}]
 
     async def say(self, text: str) -> str:
@@ -52,6 +54,8 @@ class _Expert:
         return turn.text
 
     def call(self, name: str, arguments: dict[str, str]) -> Any:
+        if self.never_write and name in WRITE_TOOLS:
+            return {}  # the floor: everything but the write
         call_id = f"call_{sum(1 for m in self.messages if m['role'] == 'tool')}"
         self.messages.append({"role": "assistant", "content": "", "tool_calls": [
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]})
@@ -149,14 +153,16 @@ def _is_careless(careless: float, seed: int, task: Task) -> bool:
 
 
 async def expert_conversation_async(env: Environment, task: Task, *, careless: float, seed: int,
-                                    communicate_info: bool = True,
-                                    evaluate: bool = True) -> tuple[list[dict[str, Any]], Evaluation | None]:
+                                    communicate_info: bool = True, evaluate: bool = True,
+                                    never_write: bool = False) -> tuple[list[dict[str, Any]], Evaluation | None]:
     """`expert_conversation` for callers already inside an event loop; `evaluate=False`
-    skips the scoring (its database hash is most of the cost) and returns None for it."""
+    skips the scoring (its database hash is most of the cost) and returns None for it.
+    `never_write` plays the expert without its write calls (the floor a policy that never
+    writes would reach)."""
     sloppy = _is_careless(careless, seed, task)
     session = env.reset(task)
     try:
-        expert = _Expert(task, session, ScriptedUser().start(task, session), sloppy)
+        expert = _Expert(task, session, ScriptedUser().start(task, session), sloppy, never_write)
         await expert.play()
         if not evaluate:
             return expert.messages, None
@@ -191,3 +197,16 @@ def expert_records(env: Environment, tasks: list[Task], *, careless: float, seed
 
     return [sft_record(env, task, messages, evaluation)
             for task, (messages, evaluation) in zip(tasks, asyncio.run(run_all()))]
+
+
+def never_write_floor(env: Environment, tasks: list[Task], *, communicate_info: bool = True) -> float:
+    """Success of a careful agent that never writes: authenticates, reads, asks, answers,
+    and leaves the database as it found it. The score a policy gets for free on tasks whose
+    right outcome is no change (a user who changes their mind, a question); a lesson about
+    when to write is worth what it adds above this."""
+    async def run_all():
+        return [(await expert_conversation_async(env, t, careless=0.0, seed=0, never_write=True,
+                                                 communicate_info=communicate_info))[1] for t in tasks]
+
+    evaluations = asyncio.run(run_all())
+    return sum(e.reward for e in evaluations) / max(len(evaluations), 1)

@@ -1,19 +1,22 @@
-"""A connection to one MCP server over stdio, on a private event-loop thread: the MCP SDK
-is async while `EnvSession.step()` is sync, so a call blocks on the loop, bounded by a
-per-call timeout."""
+"""A connection to one MCP server, over stdio or streamable HTTP, on a private event-loop
+thread: the MCP SDK is async while `EnvSession.step()` is sync, so a call blocks on the
+loop, bounded by a per-call timeout."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import tempfile
 import threading
 from typing import Any
 
+import httpx2
 from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
 from muajax.domains.base import Observation
-from muajax.domains.mcp.scenario import McpError, McpServerConfig
+from muajax.domains.mcp.config import McpError, McpServerConfig
 
 
 def _observation(result: Any) -> Observation:
@@ -37,7 +40,8 @@ def _observation(result: Any) -> Observation:
 
 
 class McpClient:
-    """A sync handle on one MCP server process, its connection on a private loop thread."""
+    """A sync handle on one MCP server (a process over stdio, or an HTTP endpoint), its
+    connection on a private loop thread."""
 
     def __init__(self, config: McpServerConfig):
         self.config = config
@@ -58,7 +62,8 @@ class McpClient:
             reason = "timed out" if isinstance(exc, concurrent.futures.TimeoutError) else f"{type(exc).__name__}: {exc}"
             stderr = self._stderr_tail()
             self.close()
-            raise McpError(f"MCP server {config.command!r} failed to start ({reason})"
+            verb = "failed to start" if config.transport == "stdio" else "could not be reached"
+            raise McpError(f"MCP server {config.describe()!r} {verb} ({reason})"
                            + (f"; its stderr ends with:\n{stderr}" if stderr else "")) from exc
 
     async def _connection(self, ready: concurrent.futures.Future) -> None:
@@ -66,10 +71,8 @@ class McpClient:
         # left in one task, so this task holds them open until close() sets the stop
         # event. Startup is abandoned through that event too, never by cancelling this
         # task: a cancel landing while the SDK spawns the server would leak the process.
-        params = StdioServerParameters(command=self.config.command, args=list(self.config.args),
-                                       env=dict(self.config.env) or None, cwd=self.config.cwd)
         try:
-            async with (stdio_client(params, errlog=self._errlog) as (read, write),
+            async with (self._transport() as (read, write),
                         ClientSession(read, write, read_timeout_seconds=self.config.startup_timeout) as session):
                 handshake = asyncio.ensure_future(_handshake(session))
                 stopping = asyncio.ensure_future(self._stop.wait())
@@ -87,6 +90,21 @@ class McpClient:
             raise
         finally:
             self._session = None
+
+    @contextlib.asynccontextmanager
+    async def _transport(self):
+        c = self.config
+        if c.transport == "stdio":
+            params = StdioServerParameters(command=c.expanded_command(), args=c.expanded_args(),
+                                           env=c.resolved_env(), cwd=c.cwd)
+            async with stdio_client(params, errlog=self._errlog) as (read, write):
+                yield read, write
+            return
+        # The read timeout bounds one HTTP response; tool calls have their own, shorter one.
+        timeout = httpx2.Timeout(c.startup_timeout, read=max(c.startup_timeout, c.call_timeout) + 5.0)
+        async with (httpx2.AsyncClient(headers=c.resolved_headers(), timeout=timeout) as http,
+                    streamable_http_client(c.url, http_client=http) as (read, write)):
+            yield read, write
 
     def _stderr_tail(self, limit: int = 2000) -> str:
         try:
@@ -122,7 +140,8 @@ class McpClient:
         return self._closed
 
     def close(self) -> None:
-        """Stop the server (stdin closed, then SIGTERM/SIGKILL per the SDK) and the loop thread."""
+        """End the connection (a stdio server is stopped: stdin closed, then SIGTERM/SIGKILL
+        per the SDK; an HTTP session is terminated) and the loop thread."""
         with self._close_lock:
             if self._closed:
                 return

@@ -1,14 +1,18 @@
-"""Any MCP server (stdio transport) as a muajax `Environment`.
+"""Any MCP server (stdio or streamable HTTP) as a muajax `Environment`.
 
 The tools are whatever the server lists (plus muajax's general think / calculate /
 transfer_to_human_agents, unless the server has a tool of that name: then the server's
 runs, and a successful `transfer_to_human_agents` still ends the episode). The MCP SDK
 is async while `EnvSession.step()` is sync, so each `McpClient` runs its connection on
 a private event-loop thread and `step()` blocks on the call, bounded by a per-call
-timeout. By default every session starts its own server process (isolated state);
-`shared: true` makes all sessions of an environment use one process.
+timeout. By default every session opens its own connection: over stdio that is its own
+server process (isolated state); over HTTP its own MCP session, whose state is isolated
+only as far as the server keys it by session. `shared: true` makes all sessions of an
+environment use one connection.
 
-The scenario file format is in `muajax.domains.mcp.scenario`.
+The scenario file format is in `muajax.domains.mcp.scenario`; a run config's `env.mcp`
+section (`muajax.domains.mcp.config.McpConfig`) names servers and scenario files, and
+`environment_from_config` builds the domain from it.
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from muajax.domains.base import Environment, EnvSession, Evaluation, Observation, Task, ToolCall
+from muajax.domains.combined import CombinedEnvironment
 from muajax.domains.general_tools import GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, run_general_tool
 from muajax.domains.mcp.client import McpClient
+from muajax.domains.mcp.config import McpConfig
 from muajax.domains.mcp.scenario import SPLITS, McpScenario, McpTaskSpec, load_scenario
 
 
@@ -134,8 +140,10 @@ def _assistant_text(messages: list[dict[str, Any]]) -> list[str]:
 class McpEnvironment(Environment):
     """Tasks from a scenario file; tools from its MCP server. Call close() when done."""
 
-    def __init__(self, scenario: McpScenario | str | os.PathLike, *, shared: bool | None = None):
-        self.scenario = scenario if isinstance(scenario, McpScenario) else load_scenario(scenario)
+    def __init__(self, scenario: McpScenario | str | os.PathLike, *, shared: bool | None = None,
+                 servers: McpConfig | None = None):
+        """`servers`: the named servers a scenario file may refer to (a run's env.mcp)."""
+        self.scenario = scenario if isinstance(scenario, McpScenario) else load_scenario(scenario, servers)
         if shared is not None:
             self.scenario = dataclasses.replace(
                 self.scenario, server=dataclasses.replace(self.scenario.server, shared=shared))
@@ -175,3 +183,12 @@ class McpEnvironment(Environment):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def environment_from_config(cfg: McpConfig) -> Environment:
+    """The MCP domain of a run config's `env.mcp`: one environment per scenario file, trained
+    together when there are several (each task under its own scenario's policy and server)."""
+    if not cfg.scenarios:
+        raise ValueError("env.mcp.scenarios: list at least one scenario file")
+    envs = [McpEnvironment(path, servers=cfg) for path in cfg.scenarios]
+    return envs[0] if len(envs) == 1 else CombinedEnvironment(envs)

@@ -1,19 +1,22 @@
-"""MCP scenario files: the server to start, the tasks and how each is judged.
+"""MCP scenario files: the server to use, the tasks and how each is judged.
 
 Scenario file (JSON, or YAML by a .yaml/.yml extension)::
 
     name: notes                          # the environment's name
     policy: "You manage the user's notes..."   # or policy_file: path (relative to this file)
-    server:
+    server:                              # or the name of a server in the run's env.mcp.servers
       command: "{python}"                # {python} = this interpreter
       args: ["{scenario_dir}/server.py"] # {scenario_dir} = this file's directory
       env: {API_TOKEN: "${API_TOKEN}"}   # ${NAME} is read from muajax's environment: the one way
                                          # to hand the server a secret (a literal one here, or a
                                          # credential in command/args/cwd, is refused)
+      env_vars: [HOME]                   # muajax's variables passed on by name
       cwd: "{scenario_dir}"              # optional
       shared: false                      # one server for all sessions (state not isolated)
       call_timeout: 30                   # seconds per tool call
       startup_timeout: 60
+    # or, over streamable HTTP: server: {url: "http://127.0.0.1:8000/mcp",
+    #                                    headers_env: {Authorization: MCP_AUTH_HEADER}}
     tasks:
       - id: groceries
         split: train                     # or test
@@ -31,52 +34,30 @@ Scenario file (JSON, or YAML by a .yaml/.yml extension)::
                                          # error (true: the call must fail; default false)
           communicate_info: ["2 items"]  # said by the agent; checked only with communicate_info
 
-The reward is 1 iff every criterion holds (each expected call, each state check, and,
-with communicate_info on, each string); the partial score is the fraction that hold.
+The server's fields are those of `muajax.domains.mcp.config.McpServerConfig`. The reward is
+1 iff every criterion holds (each expected call, each state check, and, with
+communicate_info on, each string); the partial score is the fraction that hold.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from muajax.config.secrets import argument_credentials, looks_secret_name, redact_arguments, value_credentials
+from muajax.config.fields import ConfigError
 from muajax.domains.base import Observation, Task, ToolCall
+from muajax.domains.mcp.config import McpConfig, McpError, McpServerConfig, credential_problems
+
+__all__ = ["SPLITS", "McpError", "McpServerConfig", "McpScenario", "McpTaskSpec", "StateCheck", "load_scenario"]
 
 SPLITS = ("train", "test")
 _CHECK_KEYS = ("equals", "contains", "not_contains", "json", "error")
-_ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
-
-
-class McpError(RuntimeError):
-    """An MCP server could not be started or a scenario is invalid."""
-
-
-@dataclasses.dataclass(frozen=True)
-class McpServerConfig:
-    command: str
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    cwd: str | None = None
-    shared: bool = False
-    call_timeout: float = 30.0
-    startup_timeout: float = 60.0
-
-    def __repr__(self) -> str:
-        # env holds secrets read from the environment; args are shown with any credential hidden
-        return (f"McpServerConfig(command={self.command!r}, args={tuple(redact_arguments(self.args))!r}, "
-                f"env={{{', '.join(f'{k!r}: ***' for k in self.env)}}}, cwd={self.cwd!r}, shared={self.shared})")
-
-    def __post_init__(self):
-        if not self.command:
-            raise ValueError("server.command must be a non-empty string")
-        if self.call_timeout <= 0 or self.startup_timeout <= 0:
-            raise ValueError("server.call_timeout and server.startup_timeout must be positive")
+_SERVER_KEYS = ("command", "args", "cwd", "env", "env_vars", "url", "headers_env", "shared", "call_timeout",
+                "startup_timeout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,55 +149,63 @@ def _expand(text: str, base: Path) -> str:
 
 
 def _refuse_credentials(d: Mapping, where: str) -> None:
-    """Secrets reach a server only through `env` with ${NAME}: a scenario file is shared,
-    and a command line is visible to every process on the host and ends up in logs."""
-    hint = "pass it to the server through 'env' as \"${NAME}\", with the secret in muajax's environment"
-    args = d.get("args") if isinstance(d.get("args"), list) else []
-    for index, what in argument_credentials([a if isinstance(a, str) else "" for a in args]):
-        raise McpError(f"{where}.args[{index}] holds a credential ({what}); {hint}")
-    for key in ("command", "cwd"):
-        found = value_credentials(d.get(key)) if isinstance(d.get(key), str) else []
-        if found:
-            raise McpError(f"{where}.{key} holds a credential ({'; '.join(found)}); {hint}")
-    env = d.get("env") if isinstance(d.get("env"), dict) else {}
-    for key, value in env.items():
-        literal = isinstance(value, str) and value and not _ENV_REF.match(value)
-        if literal and (looks_secret_name(str(key)) or value_credentials(value)):
-            raise McpError(f"{where}.env.{key} holds a literal secret; write \"${{{key}}}\" (or another variable's "
-                           "name) and set it in muajax's environment")
+    """Secrets reach a server only through `env` as ${NAME}: a scenario file is shared, and
+    a command line is visible to every process on the host and ends up in logs."""
+    for field, what in credential_problems(d):
+        raise McpError(f"{where}.{field} {what}")
 
 
-def _server_config(d: Any, base: Path) -> McpServerConfig:
-    where = "server"
-    if not isinstance(d, dict):
-        raise McpError(f"{where}: expected a mapping")
-    _refuse_credentials(d, where)
-    env = {}
-    for key, value in _get(d, "env", dict, where, {}).items():
+def _string_map(d: Mapping, key: str, where: str) -> dict[str, str]:
+    out = {}
+    for name, value in _get(d, key, dict, where, {}).items():
         if not isinstance(value, str):
-            raise McpError(f"{where}.env.{key}: expected a string")
-        ref = _ENV_REF.match(value)
-        if ref:
-            if ref.group(1) not in os.environ:
-                raise McpError(f"{where}.env.{key}: ${{{ref.group(1)}}} is not set in the environment")
-            value = os.environ[ref.group(1)]
-        env[str(key)] = value
+            raise McpError(f"{where}.{key}.{name}: expected a string")
+        out[str(name)] = value
+    return out
+
+
+def _server_mapping(d: dict, base: Path) -> McpServerConfig:
+    """A scenario's own `server:` mapping ({scenario_dir} and {python} expanded)."""
+    where = "server"
+    unknown = sorted(set(d) - set(_SERVER_KEYS))
+    if unknown:
+        raise McpError(f"{where}: unknown keys {unknown}; allowed: {', '.join(_SERVER_KEYS)}")
+    _refuse_credentials(d, where)
     args = _get(d, "args", list, where, [])
-    if not all(isinstance(a, str) for a in args):
-        raise McpError(f"{where}.args: expected a list of strings")
+    env_vars = _get(d, "env_vars", list, where, [])
+    if not all(isinstance(a, str) for a in args + env_vars):
+        raise McpError(f"{where}.args and {where}.env_vars: expected lists of strings")
     cwd = _get(d, "cwd", str, where, None)
+    command = _get(d, "command", str, where, None)
     try:
         return McpServerConfig(
-            command=_expand(_get(d, "command", str, where), base),
-            args=tuple(_expand(a, base) for a in args),
-            env=env,
-            cwd=_expand(cwd, base) if cwd else None,
-            shared=_get(d, "shared", bool, where, False),
+            command=_expand(command, base) if command is not None else None,
+            args=tuple(_expand(a, base) for a in args), cwd=_expand(cwd, base) if cwd else None,
+            env=_string_map(d, "env", where), env_vars=tuple(env_vars), url=_get(d, "url", str, where, None),
+            headers_env=_string_map(d, "headers_env", where), shared=_get(d, "shared", bool, where, False),
             call_timeout=float(_get(d, "call_timeout", (int, float), where, 30.0)),
-            startup_timeout=float(_get(d, "startup_timeout", (int, float), where, 60.0)),
-        )
-    except ValueError as exc:
-        raise McpError(str(exc)) from exc
+            startup_timeout=float(_get(d, "startup_timeout", (int, float), where, 60.0)))
+    except ConfigError as exc:
+        raise McpError(f"{where}: {exc}") from None
+
+
+def _server_config(d: Any, base: Path, servers: McpConfig) -> McpServerConfig:
+    """The scenario's server: its own mapping, a name from `env.mcp.servers`, or (none given)
+    the only server there is."""
+    if isinstance(d, str):
+        server = servers.server(d, "server")
+    elif isinstance(d, dict):
+        server = _server_mapping(d, base)
+    elif d is None and servers.default_server() is not None:
+        server = servers.default_server()
+    else:
+        names = ", ".join(sorted(servers.servers)) or "none defined"
+        raise McpError(f"server: expected a mapping (command or url) or the name of a server in "
+                       f"env.mcp.servers ({names})")
+    missing = server.missing_variables()
+    if missing:
+        raise McpError(f"server: the environment variable(s) {', '.join(missing)} it reads are not set")
+    return server
 
 
 def _task_spec(d: Any, index: int, env_name: str) -> McpTaskSpec:
@@ -248,8 +237,9 @@ def _task_spec(d: Any, index: int, env_name: str) -> McpTaskSpec:
     return McpTaskSpec(task, expected, checks, info)
 
 
-def load_scenario(path: str | os.PathLike) -> McpScenario:
-    """Parse and validate a scenario file (format in the module docstring)."""
+def load_scenario(path: str | os.PathLike, servers: McpConfig | None = None) -> McpScenario:
+    """Parse and validate a scenario file (format in the module docstring); `servers` are the
+    run config's named servers a scenario may refer to."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
@@ -273,4 +263,4 @@ def load_scenario(path: str | os.PathLike) -> McpScenario:
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise McpError(f"{path}: duplicate task ids {dupes}")
-    return McpScenario(name, policy, _server_config(data.get("server"), base), specs)
+    return McpScenario(name, policy, _server_config(data.get("server"), base, servers or McpConfig()), specs)

@@ -400,3 +400,28 @@ def test_large_database_keeps_every_property_and_the_small_ones_ids():
     first, second = big.reset(big.tasks("train")[0]), big.reset(big.tasks("train")[0])
     first.db["users"].clear()
     assert len(second.db["users"]) == 300
+
+
+def test_a_validation_split_comes_from_the_train_users_and_leaves_train_and_test_as_they_were():
+    weights = {"cancel": 0.4, "cancel_mind": 0.4, "info": 0.2}
+    plain = BuiltinEnvironment(kind_weights=weights)
+    with_val = BuiltinEnvironment(kind_weights=weights, n_validation_tasks=40)
+    for split in ("train", "test"):
+        assert [t.first_user_message for t in plain.tasks(split)] == [t.first_user_message for t in with_val.tasks(split)]
+    validation = with_val.tasks("validation")
+    assert len(validation) == 40 and all(t.split == "validation" for t in validation)
+    assert {t.metadata["user_id"] for t in validation} <= set(with_val.train_users)
+    train = {(t.first_user_message, t.user_scenario) for t in with_val.tasks("train")}
+    assert not any((t.first_user_message, t.user_scenario) in train for t in validation)
+    with pytest.raises(ValueError, match="builtin_validation_tasks"):
+        plain.tasks("validation")
+
+
+def test_the_never_write_floor_is_the_share_of_tasks_whose_right_outcome_is_no_change():
+    env = BuiltinEnvironment(kind_weights={"cancel": 0.4, "cancel_mind": 0.4, "info": 0.2})
+    tasks = env.tasks("test")
+    kinds = [t.metadata["kind"] for t in tasks]
+    unchanged = sum(k in ("cancel_mind", "info") for k in kinds) / len(kinds)
+    assert env.never_write_floor(tasks, communicate_info=True) == pytest.approx(unchanged)
+    only_writes = [t for t in tasks if t.metadata["kind"] == "cancel"]
+    assert env.never_write_floor(only_writes, communicate_info=True) == 0.0

@@ -1,7 +1,8 @@
 """A tiny, real MCP stdio server for muajax's tests: an in-memory notes store.
 
 State lives in the process, so every server process is an isolated store. Run with
-`python tests/domains/mcp/mcp_demo_server.py` (stdio transport). Built on the MCP SDK's
+`python tests/domains/mcp/mcp_demo_server.py` (stdio transport); `server.streamable_http_app()`
+serves it over streamable HTTP (tests/domains/mcp/http_server.py). Built on the MCP SDK's
 `MCPServer` (mcp 2.x's name for FastMCP).
 """
 from __future__ import annotations
@@ -70,6 +71,16 @@ def wait(seconds: float) -> str:
     """
     time.sleep(seconds)
     return f"waited {seconds} s"
+
+
+@server.tool()
+def get_env(name: str) -> str:
+    """The value of one of the server's environment variables ("" when unset).
+
+    Args:
+        name: The variable's name.
+    """
+    return os.environ.get(name, "")
 
 
 @server.tool()

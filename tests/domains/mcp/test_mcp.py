@@ -82,7 +82,7 @@ def test_tools_calls_and_gold_evaluation(env):
     session = env.reset(task)
     try:
         tools = {s["function"]["name"]: s for s in session.tools()}
-        assert set(tools) == {"add_note", "get_note", "list_notes", "delete_note", "wait", "server_pid",
+        assert set(tools) == {"add_note", "get_note", "list_notes", "delete_note", "wait", "get_env", "server_pid",
                               "think", "calculate", "transfer_to_human_agents"}
         assert tools["add_note"]["function"]["parameters"]["required"] == ["title", "body"]
         assert "Save a note" in tools["add_note"]["function"]["description"]
@@ -224,14 +224,19 @@ def test_scenario_validation(tmp_path, monkeypatch):
     assert "duplicate task ids" in broken(lambda d: d["tasks"][1].update(id="groceries"))
     assert "unknown keys ['startswith']" in broken(
         lambda d: d["tasks"][1]["evaluation"]["state_checks"][0].update(startswith="x"))
-    assert "server: missing 'command'" in broken(lambda d: d["server"].pop("command"))
+    assert "server: 'command' or 'url' is required" in broken(lambda d: d["server"].pop("command"))
+    assert "'command' conflicts with 'url'" in broken(lambda d: d["server"].update(url="http://127.0.0.1:1/mcp"))
+    assert "unknown keys ['comand']" in broken(lambda d: d["server"].update(comand="x"))
+    assert "not one of env.mcp.servers (none)" in broken(lambda d: d.update(server="notes-server"))
     assert "call_timeout" in broken(lambda d: d["server"].update(call_timeout=0))
     assert "NOT_SET_ANYWHERE" in broken(lambda d: d["server"].update(env={"TOKEN": "${NOT_SET_ANYWHERE}"}))
     monkeypatch.setenv("MUAJAX_TEST_SECRET", "s3cret")
     data = json.loads(json.dumps(SCENARIO))
     data["server"]["env"] = {"TOKEN": "${MUAJAX_TEST_SECRET}"}
     scenario = load_scenario(_write(tmp_path, data, "scenario.json"))  # JSON works too
-    assert scenario.server.env == {"TOKEN": "s3cret"} and scenario.server.command == sys.executable
+    # the config keeps the reference; the value is read when a server starts
+    assert scenario.server.env == {"TOKEN": "${MUAJAX_TEST_SECRET}"} and scenario.server.command == sys.executable
+    assert scenario.server.resolved_env() == {"TOKEN": "s3cret"}
     assert scenario.tasks[1].task.gold_actions == ()
     with pytest.raises(ValueError, match="not a task of MCP scenario"):
         McpEnvironment(scenario).reset(scenario.tasks[0].task.__class__(
@@ -266,5 +271,7 @@ def test_a_scenario_refuses_credentials_in_the_server_command_line(tmp_path, mon
     data = json.loads(json.dumps(SCENARIO))
     data["server"].update(env={"API_TOKEN": "${MUAJAX_MCP_TEST_TOKEN}"}, args=[*data["server"]["args"], "--port", "0"])
     scenario = load_scenario(_write(tmp_path, data))
-    assert scenario.server.env == {"API_TOKEN": key}
+    # the value is read when a connection opens, so a loaded scenario never holds it
+    assert scenario.server.env == {"API_TOKEN": "${MUAJAX_MCP_TEST_TOKEN}"}
+    assert scenario.server.resolved_env() == {"API_TOKEN": key}
     assert key not in repr(scenario.server) and key not in repr(scenario) and "'API_TOKEN': ***" in repr(scenario)
