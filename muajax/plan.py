@@ -170,7 +170,7 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     settings = from_train_config(cfg, shared_prefix=args.shared_prefix, sft_seq=args.sft_seq,
                                  keep_kv_during_update=not args.free_kv_during_update, exact_oom=args.exact_oom,
                                  **overrides)
-    mesh = args.mesh or {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    mesh = args.mesh or cfg.mesh.sizes()
     topology = args.topology or cfg.mesh.topology
     if topology is None:
         raise SystemExit(f"plan: {args.config} names no mesh.topology (the slice it is sized for): pass --topology")
