@@ -21,10 +21,14 @@ TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
 
 
 def test_mesh_candidates_cover_every_factorization():
-    meshes = mesh_candidates(4)
-    assert len(meshes) == 6 and all(list(m) == list(parallel.MESH_AXES) for m in meshes)
+    axes = ("data", "fsdp", "tensor")
+    meshes = mesh_candidates(4, axes)
+    assert len(meshes) == 6 and all(list(m) == list(axes) for m in meshes)
     assert {tuple(m.values()) for m in meshes} == {(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)}
-    assert len(mesh_candidates(32)) == 21
+    assert len(mesh_candidates(32, axes)) == 21
+    # the default: every axis of parallel.MESH_AXES (2^k over 4 axes: C(k + 3, 3) ways)
+    assert len(parallel.MESH_AXES) == 4 and all(list(m) == list(parallel.MESH_AXES) for m in mesh_candidates(4))
+    assert len(mesh_candidates(4)) == 10 and len(mesh_candidates(32)) == 56
     assert mesh_candidates(6, ("a", "b")) == [{"a": 1, "b": 6}, {"a": 2, "b": 3}, {"a": 3, "b": 2}, {"a": 6, "b": 1}]
 
 

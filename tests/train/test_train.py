@@ -113,7 +113,8 @@ def kill_at_checkpoint(args, stage: str, step: int, run_dir):
     deadline = time.time() + 600
     killed = False
     while time.time() < deadline and proc.poll() is None:
-        if any(p.is_dir() for p in run_dir.rglob(f"checkpoints/{stage}/{step}")):
+        # a fixed-depth glob: rglob would walk orbax's temporary directories while they are renamed
+        if any(p.is_dir() for p in run_dir.glob(f"*/checkpoints/{stage}/{step}")):
             os.killpg(proc.pid, signal.SIGKILL)
             killed = True
             break
