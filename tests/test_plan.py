@@ -59,7 +59,7 @@ def config(tmp_path):
 def test_plan_on_a_v5p_slice():
     out, proc = run_plan([*SMALL, "--topology", "v5p-8", "--mesh", "fsdp=2,tensor=2"])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["chip"] == "v5p" and out["fits"] is True
-    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1}
     assert [p["name"] for p in out["phases"]] == ["rollout", "update"]
     for phase in out["phases"]:
         assert phase["total"] == sum(part["bytes"] for part in phase["parts"])
@@ -75,7 +75,7 @@ def test_plan_on_a_v5p_slice():
 def test_plan_a_run_config_as_the_trainer_runs_it(config):
     out, proc = run_plan(["--config", config])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["topology"] == "v5p:2x2x1" and out["fits"] is True
-    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and out["remat"] == "full"
+    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1} and out["remat"] == "full"
     assert [p["name"] for p in out["phases"]] == ["rollout", "update", "sft"]  # the config's stages
     # 2 x 4 rollouts in microbatches of 4; SFT's 8 rows likewise; the engine: every rollout, max_context
     assert out["rows"] == {"grpo": {"batch": 8, "microbatches": 2, "padded": 8},
@@ -132,14 +132,14 @@ def test_fake_cpu_mesh_reexecs_and_judges_against_a_chip():
             f"main({[*SMALL, '--topology', 'cpu:4', '--chip', 'h100', '--phases', 'update']!r}, allow_reexec=True)")
     out, _ = run_plan(None, code=code, fast_cpu=True)
     assert out["compiler"] == "cpu" and out["devices"] == 4 and out["chip"] == "h100" and out["fits"] is True
-    assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}  # default: fsdp over every device
+    assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 1}  # default: fsdp over every device
 
 
 def test_argument_parsing():
     assert parse_bytes("95GiB") == 95 * 2**30 and parse_bytes("16GB") == 16 * 10**9 and parse_bytes("1e9") == 10**9
-    assert parse_mesh("data=1,fsdp=16,tensor=4") == {"data": 1, "fsdp": 16, "tensor": 4}
-    assert parse_mesh("tensor=2") == {"data": 1, "fsdp": 1, "tensor": 2}
-    assert parse_mesh("fsdp=-1,tensor=2") == {"data": 1, "fsdp": -1, "tensor": 2}
+    assert parse_mesh("data=1,fsdp=16,tensor=4") == {"data": 1, "fsdp": 16, "tensor": 4, "sequence": 1}
+    assert parse_mesh("tensor=2") == {"data": 1, "fsdp": 1, "tensor": 2, "sequence": 1}
+    assert parse_mesh("fsdp=-1,tensor=2") == {"data": 1, "fsdp": -1, "tensor": 2, "sequence": 1}
     with pytest.raises(argparse.ArgumentTypeError, match="memory size"):
         parse_bytes("lots")
     with pytest.raises(argparse.ArgumentTypeError, match="data=N"):

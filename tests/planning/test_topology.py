@@ -85,8 +85,8 @@ def test_every_hardware_config_names_a_topology_its_mesh_fills_without_padding(p
     cfg = load_config(path)
     spec = parse_topology(cfg.mesh.topology)  # what `python -m muajax.plan --config` compiles for
     assert spec.chip is not None  # judged against a chip: a TPU generation's, or the GPU's
-    data, fsdp, tensor = cfg.mesh.resolve(spec.chips)
-    assert data * fsdp * tensor == spec.chips
+    data, fsdp, tensor, sequence = cfg.mesh.resolve(spec.chips)
+    assert data * fsdp * tensor * sequence == spec.chips
     assert (spec.gpu is not None) == path.endswith("-h100.yaml")
     # the shipped microbatches pad nothing: the trainer pads rows to data x fsdp x microbatches
     batch = cfg.rollout.n_per_task * cfg.rollout.tasks_per_step
