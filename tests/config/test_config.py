@@ -182,7 +182,9 @@ def test_mesh_resolve():
 
 
 def test_mesh_config_has_one_field_per_mesh_axis():
-    assert tuple(f.name for f in dataclasses.fields(C.MeshConfig)) == parallel.MESH_AXES
+    # every axis, in order, and `topology` (what the run is planned for: not an axis)
+    assert tuple(f.name for f in dataclasses.fields(C.MeshConfig)) == (*parallel.MESH_AXES, "topology")
+    assert tuple(C.MeshConfig().sizes()) == parallel.MESH_AXES
 
 
 def test_base_inheritance(tmp_path):
