@@ -12,6 +12,7 @@ one jax device (megacore), so devices == chips on every TPU generation here.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -135,16 +136,24 @@ def libtpu_available() -> bool:
     return True
 
 
-def _quiet_libtpu_env(spec: TopologySpec) -> None:
-    """Tell libtpu it is on a one-host machine with no TPU, before it first loads, so it
+@contextlib.contextmanager
+def _quiet_libtpu_env(spec: TopologySpec):
+    """Tell libtpu it is on a one-host machine with no TPU while it first loads, so it
     neither queries a metadata server nor prints warnings about the missing hardware.
     Compiling touches no device, so several planning processes may load libtpu at once
-    (the lockfile exists to keep two processes off one real TPU)."""
+    (the lockfile exists to keep two processes off one real TPU). The variables are taken
+    back afterwards: a process started later from this one (a trainer) would otherwise
+    read TPU_WORKER_HOSTNAMES as a TPU pod to join."""
     count = spec.chips * GENERATIONS[spec.generation].cores_per_chip_in_name
     defaults = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": "0",
                 "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": f"{spec.generation}-{count}"}
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+    added = [key for key in defaults if key not in os.environ]
+    os.environ.update({key: defaults[key] for key in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def tpu_devices(spec: TopologySpec) -> list:
@@ -153,13 +162,13 @@ def tpu_devices(spec: TopologySpec) -> list:
         raise ValueError(f"{spec.text} is not a TPU topology")
     if not libtpu_available():
         raise LibtpuMissingError(f"topology {spec.text} needs libtpu, the TPU compiler: {TPU_EXTRA_HINT}")
-    _quiet_libtpu_env(spec)  # before the TPU plugin first loads, in get_topology_desc
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")  # nothing runs: don't look for TPU hardware
     single_chip = spec.chips == 1
-    desc = topologies.get_topology_desc(
-        topology_name=spec.topology_name, platform="tpu", chip_config_name=GENERATIONS[spec.generation].chip_config,
-        **({"chips_per_host_bounds": (1, 1, 1)} if single_chip else {}))
+    with _quiet_libtpu_env(spec):  # the TPU plugin first loads in get_topology_desc
+        desc = topologies.get_topology_desc(
+            topology_name=spec.topology_name, platform="tpu", chip_config_name=GENERATIONS[spec.generation].chip_config,
+            **({"chips_per_host_bounds": (1, 1, 1)} if single_chip else {}))
     devices = list(desc.devices)
     if len(devices) != spec.chips:
         raise RuntimeError(f"libtpu gave {len(devices)} devices for {spec.topology_name}, expected {spec.chips}")

@@ -93,3 +93,12 @@ def test_every_hardware_config_names_a_topology_its_mesh_fills_without_padding(p
     for rows, size in ((batch, cfg.grpo.microbatch_size), (cfg.sft.batch_size, cfg.sft.microbatch_size)):
         microbatches = rows // size if size else 1
         assert rows % (data * fsdp * microbatches) == 0, (rows, size, data * fsdp)
+
+
+@pytest.mark.skipif(not topology.libtpu_available(), reason='libtpu (the TPU compiler) is not installed: pip install -e ".[tpu]"')
+def test_compiling_for_a_slice_leaves_no_tpu_variables_behind(monkeypatch):
+    """A trainer started later from this process must not read TPU_WORKER_HOSTNAMES as a pod."""
+    for key in ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY"):
+        monkeypatch.delenv(key, raising=False)
+    assert len(tpu_devices(parse_topology("v5p:2x2x1"))) == 4
+    assert not [k for k in ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE") if k in os.environ]
