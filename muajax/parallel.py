@@ -1,9 +1,14 @@
 """Device mesh and the one rules table that maps logical axis names onto mesh axes.
 
-The mesh always has three axes, (data, fsdp, tensor):
-  data   — pure data parallelism (replicated weights);
-  fsdp   — data parallelism with weights and optimizer state sharded (ZeRO-3 style);
-  tensor — Megatron-style tensor parallelism over heads, MLP width and vocabulary.
+The mesh has the axes MESH_AXES, (data, fsdp, tensor, sequence), the one list of them
+that everything else (configs, the planner's sweep) is derived from:
+  data     — pure data parallelism (replicated weights);
+  fsdp     — data parallelism with weights and optimizer state sharded (ZeRO-3 style);
+  tensor   — Megatron-style tensor parallelism over heads, MLP width and vocabulary;
+  sequence — context parallelism: each row's positions are split over it, so one long
+             row spans several devices. Attention gathers the keys and values of the
+             whole row (`muajax.models.attention`); everything else is per position.
+             Weights are sharded over it as over fsdp (it holds different data).
 Batches are split over (data, fsdp). A dimension that a mesh axis does not divide
 evenly stays replicated on that axis (e.g. 2 kv heads on tensor=4), so every model runs
 on every mesh; `describe_layout` shows what was actually sharded.
@@ -18,12 +23,19 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# `sequence` comes last so that calls naming (data, fsdp, tensor) by position keep their
+# meaning; it also puts the axis whose all-gathers run every layer on the closest devices.
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 BATCH_AXES = ("data", "fsdp")
+SEQUENCE_AXIS = "sequence"
+# Weights and optimizer state are sharded over every axis that holds different data.
+WEIGHT_AXES = ("fsdp", SEQUENCE_AXIS)
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    ("activation_length", SEQUENCE_AXIS),
+    # batch and length flattened into one axis of tokens (the LM head's rows)
+    ("activation_tokens", BATCH_AXES + (SEQUENCE_AXIS,)),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_mlp", "tensor"),
@@ -32,7 +44,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # The embedding table is read by a gather: sharding its rows would make XLA replicate
     # it anyway (an "involuntary full rematerialization"), so only its width is sharded.
     ("embed_vocab", None),
-    ("embed", "fsdp"),
+    ("embed", WEIGHT_AXES),
+    ("embed_lookup", "fsdp"),  # the embedding table as its lookup reads it (see Qwen3)
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -45,9 +58,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
-    """Fill a single -1 with the remaining devices and check the product."""
-    sizes = [data, fsdp, tensor]
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, sequence: int, num_devices: int) -> tuple[int, ...]:
+    """Sizes in MESH_AXES order: a single -1 filled with the remaining devices, the product checked."""
+    sizes = [data, fsdp, tensor, sequence]
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1")
     for name, size in zip(MESH_AXES, sizes):
@@ -65,11 +78,11 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> t
     return tuple(sizes)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over all devices (all hosts), laid out for the topology."""
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, sequence: int = 1, devices=None) -> Mesh:
+    """A mesh with MESH_AXES over all devices (all hosts), laid out for the topology."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    shape = resolve_mesh_shape(data, fsdp, tensor, sequence, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def _mesh_axes_for(name: str, rules) -> tuple[str, ...]:
@@ -86,7 +99,8 @@ def logical_to_spec(shape, axes, mesh: Mesh, rules=LOGICAL_RULES) -> PartitionSp
     used: set[str] = set()
     spec = []
     for dim, name in zip(shape, axes):
-        mesh_axes = tuple(a for a in _mesh_axes_for(name, rules) if a not in used and mesh.shape[a] > 1)
+        mesh_axes = tuple(a for a in _mesh_axes_for(name, rules)
+                          if a not in used and dict(mesh.shape).get(a, 1) > 1)
         size = math.prod(mesh.shape[a] for a in mesh_axes)
         if not mesh_axes or dim % size:
             spec.append(None)
@@ -129,4 +143,10 @@ def describe_layout(tree) -> dict[str, str]:
 
 
 def batch_divisor(mesh: Mesh) -> int:
+    """The devices a batch's rows are split over (data * fsdp)."""
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def sequence_shards(mesh) -> int:
+    """The devices a row's positions are split over (1 on a mesh without the axis)."""
+    return int(dict(mesh.shape).get(SEQUENCE_AXIS, 1))

@@ -1,33 +1,53 @@
-"""Plan a run on hardware you don't have: compile the GRPO train step and the engine's decode
-step ahead of time, from abstract shapes, for a model and mesh, and report per-device
-memory and FLOPs from XLA's own analyses.
+"""Plan a run on hardware you don't have: compile the programs a GRPO run executes (the
+engine's decode and extend, the GRPO update, the SFT update) ahead of time for a TPU slice
+with the real TPU compiler (libtpu), from abstract sharded shapes, and sum what each phase
+keeps resident.
 
-    python -m muajax.plan --model qwen3-32b --mesh data=1,fsdp=16,tensor=4 \
-        --batch 256 --seq 32768 --remat full --microbatch 16 --hbm 95GiB
+    python -m muajax.plan --config configs/runs/qwen3-32b-tau2-v5p.yaml
+    python -m muajax.plan --model qwen3-8b --topology v5p-64 --batch 256 --seq 32768 \\
+        --mesh data=1,fsdp=16,tensor=2 --microbatch 16 --remat full
+    python -m muajax.plan --model qwen3-8b --topology v5p-64 --sweep --out plans/8b-v5p64
 
-Nothing is allocated: params, optimizer state, reference params, batch and KV cache are
-ShapeDtypeStructs carrying their NamedShardings on a fake CPU mesh of as many devices as
-the mesh names (the process re-executes itself with XLA_FLAGS set if it must). The
-numbers are XLA:CPU's for the partitioned per-device program; a TPU compile fuses and
-schedules differently (and keeps bf16 natively where CPU may widen it), so treat them as
-a close estimate, not a guarantee. XLA's FLOP count visits a while-loop body once: with
-layers under scan it undercounts, so the analytic model FLOPs are printed beside it.
+`--config` plans exactly what the trainer runs for that config (model, mesh, dtypes, remat,
+attention, GRPO and SFT microbatching and padding, the reference model, the engine) on the
+topology the config names (`mesh.topology`); `--set key=value` overrides the config as the
+trainer's own overrides do. Without a config, `--model` and the flags describe the run.
 
-The last line printed is one JSON object: per_device_bytes, fits, and the breakdown.
+Topologies: v5p-N and v4-N (N TensorCores, two per chip), v6e-N and v5e-N (N chips), an
+explicit chip grid such as v5p:4x4x4, cpu:N (N fake CPU devices, XLA:CPU; judged against
+--chip or --hbm), or h100:N / a100:N (XLA:CPU judged against that GPU: an estimate). A TPU
+topology needs libtpu: pip install -e ".[tpu]".
+
+The last line printed is one JSON object: per_device_bytes (the peak over the phases),
+phases with their parts, fits, devices, compiler, and each program's costs. Exit status:
+0 fits (or nothing to judge against), 1 does not fit, 2 libtpu missing.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import re
 import sys
-import time
 
-_REEXEC_MARK = "MUAJAX_PLAN_REEXEC"
+from muajax import parallel
+from muajax.config.schema import SFTConfig, load_config
+from muajax.models.presets import preset_config
+from muajax.models.qwen3 import REMAT_POLICIES, Qwen3Config
+from muajax.planning import report, sweep
+from muajax.planning.chips import get_chip
+from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
+from muajax.planning.programs import EngineSettings
+from muajax.planning.run_config import model_from_config
+from muajax.planning.topology import LibtpuMissingError, devices_for, parse_topology
+from muajax.rl.grpo import GRPOConfig
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# Flags that describe the run itself: a config describes it instead (change it with --set).
+RUN_FLAGS = ("model", "batch", "groups", "seq", "microbatch", "minibatch", "remat", "param_dtype", "dtype",
+             "kl_coef", "logits_chunk", "slots", "max_len", "kv_cache_tokens", "page_size", "sft_batch",
+             "sft_microbatch")
 
 
 def parse_bytes(text: str) -> int:
@@ -37,239 +57,163 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def parse_mesh(text: str) -> dict:
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+def parse_mesh(text: str) -> dict[str, int]:
+    """"data=1,fsdp=16,tensor=4" -> sizes of parallel.MESH_AXES (unnamed axes 1; one may be -1)."""
+    sizes = {axis: 1 for axis in parallel.MESH_AXES}
     for part in filter(None, text.split(",")):
         name, _, value = part.partition("=")
-        if name.strip() not in sizes or not value.strip().isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected data=N,fsdp=N,tensor=N with N >= 1")
-        sizes[name.strip()] = int(value)
+        name, value = name.strip(), value.strip()
+        if name not in sizes or not re.fullmatch(r"-1|[1-9]\d*", value):
+            axes = ",".join(f"{a}=N" for a in parallel.MESH_AXES)
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: expected {axes} with N >= 1 (or one -1: the rest)")
+        sizes[name] = int(value)
     return sizes
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+def _phases(text: str) -> tuple[str, ...]:
+    phases = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not phases or set(phases) - set(PHASES):
+        raise argparse.ArgumentTypeError(f"--phases {text!r}: a comma-separated subset of {','.join(PHASES)}")
+    return phases
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m muajax.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True,
-                   help="a preset (qwen3-0.6b ... qwen3-32b) or a JSON object of Qwen3Config fields")
-    p.add_argument("--mesh", type=parse_mesh, default=parse_mesh("fsdp=1"), help="data=N,fsdp=N,tensor=N")
-    p.add_argument("--batch", type=int, default=256, help="GRPO batch (rollouts per step)")
-    p.add_argument("--seq", type=int, default=32768, help="padded sequence length")
-    p.add_argument("--microbatch", type=int, default=None, help="rows per microbatch (default: the batch)")
-    p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="full")
-    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="compute dtype")
-    p.add_argument("--kl-coef", type=float, default=0.001, help="0: no reference model")
-    p.add_argument("--logits-chunk", type=int, default=None,
-                   help="positions per LM-head chunk (bounds the [B, T, V] logits)")
-    p.add_argument("--hbm", type=parse_bytes, default=None, help="per-device memory, e.g. 95GiB (v5p)")
-    p.add_argument("--decode-slots", type=int, default=None, help="KV slots (default: --batch)")
-    p.add_argument("--decode-len", type=int, default=None, help="KV cache length (default: --seq)")
-    p.add_argument("--skip-train", action="store_true")
-    p.add_argument("--skip-decode", action="store_true")
+    p = argparse.ArgumentParser(prog="python -m muajax.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="a run config (configs/runs/X.yaml): plan what the trainer runs")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help="override the config")
+    p.add_argument("--model", default=None, help="a preset (qwen3-0.6b ... qwen3-32b) or a JSON object of "
+                   "Qwen3Config fields (without --config)")
+    p.add_argument("--topology", default=None, help="v5p-64, v6e-16, v5p:4x4x4, cpu:8, h100:8 (default: the "
+                   "config's mesh.topology, else cpu:<mesh size>)")
+    p.add_argument("--mesh", type=parse_mesh, default=None,
+                   help=f"{','.join(a + '=N' for a in parallel.MESH_AXES)}; one axis may be -1 (default: the config's, "
+                   "else fsdp=-1)")
+    # the run, without a config
+    p.add_argument("--batch", type=int, default=None, help="rollouts per GRPO step (default 256)")
+    p.add_argument("--groups", type=int, default=None, help="tasks per step: GRPO groups (default batch / 8)")
+    p.add_argument("--seq", type=int, default=None, help="padded sequence length (default 32768)")
+    p.add_argument("--microbatch", type=int, default=None, help="rows per microbatch (default: the whole update)")
+    p.add_argument("--minibatch", type=int, default=None, help="rows per optimizer update (default: the batch)")
+    p.add_argument("--remat", choices=REMAT_POLICIES, default=None, help="default full")
+    p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None, help="default float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="compute dtype (default bfloat16)")
+    p.add_argument("--kl-coef", type=float, default=None, help="0: no reference model (default 0.001)")
+    p.add_argument("--logits-chunk", type=int, default=None, help="grpo.logits_chunk")
+    p.add_argument("--slots", type=int, default=None, help="engine KV slots (default: --batch)")
+    p.add_argument("--max-len", type=int, default=None, help="engine context length (default: --seq)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="engine pool (default slots x max-len)")
+    p.add_argument("--page-size", type=int, default=None, help="engine page size (default: the engine's)")
+    p.add_argument("--sft-batch", type=int, default=None, help="default 128")
+    p.add_argument("--sft-microbatch", type=int, default=None)
+    # either way
+    p.add_argument("--sft-seq", type=int, default=None, help="SFT padded length (default: sft.max_len / --seq)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every row starts with (computed once)")
+    p.add_argument("--free-kv-during-update", action="store_true",
+                   help="assume the engine frees its KV pool for the update (the trainer keeps it)")
+    p.add_argument("--phases", type=_phases, default=None,
+                   help=f"subset of {','.join(PHASES)} (default: the config's stages, else rollout,update)")
+    p.add_argument("--chip", default=None, help="judge a cpu:N plan against this chip (h100, a100, v5p, ...)")
+    p.add_argument("--hbm", type=parse_bytes, default=None, help="override the usable memory per device, e.g. 80GB")
+    p.add_argument("--exact-oom", action="store_true", help="compile programs that cannot fit to the end, for "
+                   "their exact memory (slow; by default the compiler gives up early and its message gives a "
+                   "lower bound)")
+    p.add_argument("--sweep", action="store_true", help="rank meshes x remat policies by estimated step time")
+    p.add_argument("--remats", default=",".join(REMAT_POLICIES), help="remat policies the sweep tries")
+    p.add_argument("--meshes", default=None,
+                   help="meshes the sweep tries, ';'-separated like --mesh (default: every factorization)")
+    p.add_argument("--out", default="plans/sweep", help="where --sweep writes sweep.csv, sweep.json and sweep.png")
     return p
 
 
-def _ensure_devices(n: int, argv: list[str], allow_reexec: bool) -> None:
-    """Make the CPU backend expose n devices: set XLA_FLAGS before jax starts, or re-exec
-    (only as a command: re-executing would replace a library caller's process)."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    want = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"], os.environ["JAX_PLATFORMS"] = want, "cpu"
-        return
-    import jax
-
-    if jax.default_backend() == "cpu" and len(jax.devices()) == n:
-        return
-    if os.environ.get(_REEXEC_MARK) or not allow_reexec:
-        raise SystemExit(f"plan: needs {n} CPU devices but jax already started with {len(jax.devices())} "
-                         f"{jax.default_backend()} device(s); run `python -m muajax.plan ...` in a fresh process")
-    env = dict(os.environ, XLA_FLAGS=want, JAX_PLATFORMS="cpu", **{_REEXEC_MARK: "1"})
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "muajax.plan", *argv], env)
+def _or(value, default):
+    return default if value is None else value
 
 
-def model_config(args):
-    from muajax.models.presets import preset_config
-    from muajax.models.qwen3 import Qwen3Config
-
-    common = dict(param_dtype=args.param_dtype, dtype=args.dtype, remat=args.remat)
+def model_from_flags(args) -> Qwen3Config:
+    run = {"param_dtype": _or(args.param_dtype, "float32"), "dtype": _or(args.dtype, "bfloat16"),
+           "remat": _or(args.remat, "full")}
     text = args.model.strip()
     if text.startswith("{"):
-        return Qwen3Config(**{**json.loads(text), **common})
-    return preset_config(text, **common)
+        return Qwen3Config(**{**json.loads(text), **run})
+    return preset_config(text, **run)
 
 
-def shard_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
-    import jax
-    import numpy as np
-
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
-    return total
-
-
-def _memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
-           "code": m.generated_code_size_in_bytes}
-    # Donated inputs are reused for outputs: count them once.
-    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["code"]
-    return out
+def settings_from_flags(args) -> PlanSettings:
+    batch, seq = _or(args.batch, 256), _or(args.seq, 32768)
+    grpo = GRPOConfig(kl_coef=_or(args.kl_coef, 0.001), microbatch_size=args.microbatch,
+                      minibatch_size=args.minibatch, logits_chunk=args.logits_chunk)
+    sft = SFTConfig(batch_size=_or(args.sft_batch, 128), microbatch_size=args.sft_microbatch, max_len=seq)
+    engine = EngineSettings(num_slots=_or(args.slots, batch), max_len=_or(args.max_len, seq),
+                            kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
+    return PlanSettings(batch=batch, num_groups=_or(args.groups, max(batch // 8, 1)), seq=seq, grpo=grpo, sft=sft,
+                        sft_seq=args.sft_seq, shared_prefix=args.shared_prefix, engine=engine,
+                        keep_kv_during_update=not args.free_kv_during_update,
+                        phases=args.phases or ("rollout", "update"), exact_oom=args.exact_oom)
 
 
-def _flops(compiled) -> float:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    return float((cost or {}).get("flops", 0.0))
-
-
-def plan_train(args, cfg, mesh) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from muajax import parallel
-    from muajax.rl.optim import make_optimizer
-    from muajax.models.flops import forward_flops
-    from muajax.rl.grpo import GRPOConfig, make_grpo_step
-    from muajax.rl.step import model_abstract_params
-
-    k = 1 if args.microbatch is None else args.batch // args.microbatch
-    if args.microbatch is not None and args.batch % args.microbatch:
-        raise SystemExit(f"plan: --microbatch {args.microbatch} must divide --batch {args.batch}")
-    opts = GRPOConfig(kl_coef=args.kl_coef, logits_chunk=args.logits_chunk)
-    step = make_grpo_step(cfg, make_optimizer(1e-6), mesh, grpo=opts, num_groups=args.batch, microbatches=k)
-    params = model_abstract_params(cfg)
-    state = step.abstract_state(params)
-    b, t = args.batch, args.seq
-    batch = {"tokens": ((b, t), jnp.int32), "loss_mask": ((b, t), jnp.int32),
-             "old_logprobs": ((b, t), jnp.float32), "rewards": ((b,), jnp.float32),
-             "group_ids": ((b,), jnp.int32)}
-    batch = {n: jax.ShapeDtypeStruct(s, d, sharding=parallel.batch_sharding(mesh, len(s))) for n, (s, d) in batch.items()}
-    extra = ()
-    if opts.uses_reference:
-        # The reference policy is only read, in the compute dtype: half the bytes of fp32.
-        extra = (jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, cfg.compute_dtype, sharding=s),
-                              params, step.frozen_shardings),)
-    t0 = time.perf_counter()
-    lowered = step.lower(state, batch, *extra)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    mem = _memory(compiled)
-    mem.update(params=shard_bytes(state.params), optimizer_state=shard_bytes(state.opt_state),
-               reference_params=shard_bytes(extra[0]) if extra else 0, batch=shard_bytes(batch))
-    # Model FLOPs (no remat recompute): forward + backward (2x forward) + the reference forward.
-    model_flops = forward_flops(cfg, b, t) * (4 if opts.uses_reference else 3)
-    return {"memory": mem, "microbatches": k, "xla_flops": _flops(compiled),
-            "model_flops": model_flops / mesh.size, "lower_s": t1 - t0, "compile_s": t2 - t1}
-
-
-def plan_decode(args, cfg, mesh) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-
-    from muajax import parallel
-    from muajax.models.qwen3 import CACHE_AXES, KVCache, cache_shape, forward
-    from muajax.models.sharding import param_shardings
-    from muajax.models.flops import forward_flops
-    from muajax.rl.step import model_abstract_params
-
-    slots = args.decode_slots or args.batch
-    max_len = args.decode_len or args.seq
-    shape = cache_shape(cfg, slots, max_len)
-    kv_sh = NamedSharding(mesh, parallel.logical_to_spec(shape, CACHE_AXES, mesh))
-    len_sh = NamedSharding(mesh, parallel.logical_to_spec((slots,), ("cache_batch",), mesh))
-    cache = KVCache(jax.ShapeDtypeStruct(shape, cfg.compute_dtype, sharding=kv_sh),
-                    jax.ShapeDtypeStruct(shape, cfg.compute_dtype, sharding=kv_sh),
-                    jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=len_sh))
-    p_sh = param_shardings(cfg, mesh)
-    params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-                          model_abstract_params(cfg), p_sh)
-    tok_sh = parallel.batch_sharding(mesh, 2)
-    tokens = jax.ShapeDtypeStruct((slots, 1), jnp.int32, sharding=tok_sh)
-    cache_sh = KVCache(kv_sh, kv_sh, len_sh)
-    logits_sh = NamedSharding(mesh, parallel.logical_to_spec(
-        (slots, 1, cfg.vocab_size), ("activation_batch", "activation_length", "activation_vocab"), mesh))
-    fn = jax.jit(lambda p, c, x: forward(p, cfg, x, cache=c), in_shardings=(p_sh, cache_sh, tok_sh),
-                 out_shardings=(logits_sh, cache_sh), donate_argnums=(1,))
-    with parallel.activation_rules(mesh):
-        t0 = time.perf_counter()
-        lowered = fn.lower(params, cache, tokens)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()
-        t2 = time.perf_counter()
-    mem = _memory(compiled)
-    mem.update(params=shard_bytes(params), kv_cache=shard_bytes(cache))
-    model_flops = forward_flops(cfg, slots, 1, keys=max_len)
-    return {"memory": mem, "slots": slots, "max_len": max_len, "xla_flops": _flops(compiled),
-            "model_flops": model_flops / mesh.size, "lower_s": t1 - t0, "compile_s": t2 - t1}
-
-
-def _print_report(args, cfg, mesh_sizes, results) -> None:
-    print(f"model {args.model}: {cfg.num_params() / 1e9:.2f}B params, {cfg.num_layers} layers, "
-          f"param {cfg.param_dtype}, compute {cfg.dtype}, remat {cfg.remat}")
-    print(f"mesh {mesh_sizes} = {math.prod(mesh_sizes.values())} devices; batch {args.batch} x seq {args.seq}")
-    rows = [("parameters", "params"), ("optimizer state", "optimizer_state"), ("reference params", "reference_params"),
-            ("KV cache", "kv_cache"), ("batch", "batch"), ("all arguments", "arguments"), ("outputs", "outputs"),
-            ("  (donated, reused)", "aliased"), ("temporaries", "temporaries"), ("TOTAL per device", "total")]
-    names = list(results)
-    print(f"{'per device':<22}" + "".join(f"{n:>16}" for n in names))
-    for label, key in rows:
-        cells = [results[n]["memory"].get(key) for n in names]
-        if all(c is None for c in cells):
-            continue
-        print(f"{label:<22}" + "".join(f"{fmt_bytes(c) if c is not None else '-':>16}" for c in cells))
-    for label, key in (("XLA FLOPs (loop body 1x)", "xla_flops"), ("model FLOPs / device", "model_flops")):
-        print(f"{label:<22}" + "".join(f"{results[n][key]:>16.3e}" for n in names))
-    print(f"{'lower / compile s':<22}" + "".join(
-        f"{results[n]['lower_s']:>7.1f} /{results[n]['compile_s']:>6.1f}" for n in names))
-    if args.hbm:
-        for n in names:
-            need = results[n]["memory"]["total"]
-            verdict = "fits" if need <= args.hbm else "DOES NOT FIT"
-            print(f"{n}: {fmt_bytes(need)} of {fmt_bytes(args.hbm)} -> {verdict}")
+def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None]:
+    """(model, label, settings, mesh, topology) from --config or from the flags."""
+    if args.config is None:
+        if args.model is None:
+            raise SystemExit("plan: give --config configs/runs/X.yaml or --model")
+        mesh = args.mesh or {axis: (-1 if axis == "fsdp" else 1) for axis in parallel.MESH_AXES}
+        return model_from_flags(args), args.model, settings_from_flags(args), mesh, args.topology
+    given = [f"--{name.replace('_', '-')}" for name in RUN_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise SystemExit(f"plan: {', '.join(given)} with --config: the config describes the run; change it with "
+                         f"--set key=value (e.g. --set grpo.microbatch_size=16)")
+    cfg = load_config(args.config, args.set)
+    model, label, source = model_from_config(cfg)
+    print(f"plan: {args.config}: model from {source}", flush=True)
+    overrides = {"phases": args.phases} if args.phases else {}
+    settings = from_train_config(cfg, shared_prefix=args.shared_prefix, sft_seq=args.sft_seq,
+                                 keep_kv_during_update=not args.free_kv_during_update, exact_oom=args.exact_oom,
+                                 **overrides)
+    mesh = args.mesh or cfg.mesh.sizes()
+    topology = args.topology or cfg.mesh.topology
+    if topology is None:
+        raise SystemExit(f"plan: {args.config} names no mesh.topology (the slice it is sized for): pass --topology")
+    return model, label, settings, mesh, topology
 
 
 def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.skip_train and args.skip_decode:
-        raise SystemExit("plan: nothing to do (--skip-train and --skip-decode)")
-    _ensure_devices(math.prod(args.mesh.values()), argv, allow_reexec)
-
-    from muajax import parallel
-
-    cfg = model_config(args)
-    mesh = parallel.make_mesh(args.mesh["data"], args.mesh["fsdp"], args.mesh["tensor"])
-    results = {}
-    if not args.skip_train:
-        results["train"] = plan_train(args, cfg, mesh)
-    if not args.skip_decode:
-        results["decode"] = plan_decode(args, cfg, mesh)
-    _print_report(args, cfg, args.mesh, results)
-    per_device = max(r["memory"]["total"] for r in results.values())
-    summary = {"model": args.model, "mesh": args.mesh, "batch": args.batch, "seq": args.seq,
-               "remat": args.remat, "microbatches": results.get("train", {}).get("microbatches"),
-               "per_device_bytes": per_device, "hbm_bytes": args.hbm,
-               "fits": None if args.hbm is None else bool(per_device <= args.hbm),
-               "breakdown": {name: {**r["memory"], "xla_flops": r["xla_flops"], "model_flops": r["model_flops"],
-                                    "compile_s": round(r["compile_s"], 2)} for name, r in results.items()}}
+    cfg, label, settings, mesh, topology = describe_run(args)
+    known = [v for v in mesh.values() if v != -1]
+    spec = parse_topology(topology or f"cpu:{max(1, math.prod(known))}")
+    try:
+        devices = devices_for(spec, argv if allow_reexec else None)
+    except LibtpuMissingError as error:
+        print(f"plan: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    chip = spec.chip or (get_chip(args.chip) if args.chip else None)
+    hbm = args.hbm or (chip.usable_hbm_bytes if chip else None)
+    if spec.gpu:
+        print(f"plan: {spec.describe()}: an estimate, not the GPU compiler's figures", flush=True)
+    if args.sweep:
+        remats = tuple(r.strip() for r in args.remats.split(",") if r.strip())
+        if not remats or set(remats) - set(REMAT_POLICIES):
+            raise SystemExit(f"plan: --remats {args.remats!r}: a comma-separated subset of {','.join(REMAT_POLICIES)}")
+        meshes = None
+        if args.meshes:
+            meshes = [dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*parse_mesh(m).values(), len(devices))))
+                      for m in args.meshes.split(";") if m.strip()]
+        result = sweep.run_sweep(cfg, label, devices=devices, settings=settings, remats=remats, topology=spec.text,
+                                 chip=chip, hbm_bytes=hbm, out_dir=args.out, meshes=meshes, log=print)
+        print(json.dumps(result["summary"]))
+        return result["summary"]
+    sizes = dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*mesh.values(), len(devices))))
+    plan = plan_run(cfg, devices=devices, mesh=sizes, settings=settings, label=label, topology=spec.text, chip=chip,
+                    hbm_bytes=hbm, log=lambda line: print(line, flush=True))
+    print(report.render(plan))
+    summary = plan.to_json()
+    if spec.gpu:
+        summary["estimate"] = spec.describe()
     print(json.dumps(summary))
+    if plan.fits is False:
+        raise SystemExit(1)
     return summary
 
 

@@ -63,6 +63,27 @@ def test_the_shipped_base_is_a_qwen3_checkpoint_transformers_agrees_with():
     np.testing.assert_allclose(np.asarray(got), want.numpy(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", [p for p in RUNS if p.endswith(("-v5p.yaml", "-v6e.yaml", "-h100.yaml"))],
+                         ids=os.path.basename)
+def test_hardware_configs_never_pad_a_microbatch(path):
+    """On its slice every microbatch is whole rows on each data-parallel device, so the 256
+    rollouts of a step (and SFT's 128 conversations) are never padded with empty rows."""
+    from muajax.train.batching import batch_divisor, check_microbatch_sizes, microbatch_count
+
+    cfg = load_config(path)
+    sizes = cfg.mesh.sizes()
+    assert -1 not in sizes.values(), "a hardware config names its slice's mesh"
+
+    class SliceMesh:
+        shape = sizes
+
+    check_microbatch_sizes(cfg, SliceMesh())
+    rows = cfg.rollout.n_per_task * cfg.rollout.tasks_per_step
+    micro = microbatch_count(rows, cfg.grpo.microbatch_size, SliceMesh(), "grpo.microbatch_size")
+    assert rows % batch_divisor(SliceMesh(), micro) == 0
+    assert cfg.grpo.logits_chunk and cfg.sft.logits_chunk and cfg.run.compilation_cache_dir
+
+
 def test_the_tau2_smoke_config_needs_only_the_user_endpoint():
     from muajax.config.schema import ConfigError
 

@@ -40,6 +40,10 @@ def parse(argv) -> argparse.Namespace:
     # "dots" (keep matmul outputs, recompute elementwise ops) measured ~9% faster than "none"
     # on CPU: it skips storing per-layer stacks such as the broadcast attention mask.
     p.add_argument("--remat", default="dots", choices=("none", "full", "dots"), help="muajax layer remat policy")
+    # muajax's training attention (model.attention); "auto" is what a run would use (on CPU:
+    # the einsum below AUTO_CHUNKED_MIN_LEN positions, chunked from there).
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "chunked", "splash"),
+                   help="muajax attention implementation")
     p.add_argument("--peak-size", type=int, default=2048, help="matrix size of the peak-FLOPs matmul")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -92,6 +96,7 @@ def run(argv) -> dict:
     import torch
 
     from muajax import parallel
+    from muajax.models.attention import resolve
     from muajax.models.hf import load_params
     from muajax.rl.optim import make_optimizer
     from muajax.rl.sft import make_sft_step
@@ -103,8 +108,10 @@ def run(argv) -> dict:
         model.save_pretrained(tmp)
         with jax.default_device(cpu):
             params, cfg = load_params(tmp)
-    cfg = cfg.replace(remat=args.remat)
+    cfg = cfg.replace(remat=args.remat, attention=args.attention)
 
+    attention_used = resolve(args.attention, num_keys=args.seq, dtype=cfg.compute_dtype, platform="cpu",
+                             cache_form=False)
     mesh = parallel.make_mesh(1, 1, 1, devices=[cpu])
     # The entropy metric is off: torch's step computes none, so both do the same work.
     step = make_sft_step(cfg, make_optimizer(LR, weight_decay=WEIGHT_DECAY, grad_clip=CLIP), mesh,
@@ -133,7 +140,8 @@ def run(argv) -> dict:
 
     log(f"train: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
         f"mlp {args.intermediate}, vocab {args.vocab}; batch {args.batch} x {args.seq} tokens, float32, "
-        f"remat {args.remat}, torch threads {torch.get_num_threads()}, attention {args.attn}")
+        f"remat {args.remat}, torch threads {torch.get_num_threads()}, attention {args.attn} (torch), "
+        f"{attention_used} (muajax)")
     # The first call of each is its first step from the shared initial weights (and the
     # warm-up: compilation, allocator).
     first = {"muajax": float(muajax_step()), "torch": float(torch_step())}
@@ -177,6 +185,7 @@ def run(argv) -> dict:
         "first_loss_torch": first["torch"],
         "config": {k: getattr(args, k) for k in FULL if k != "repeat"},
         "remat": args.remat,
+        "attention": attention_used,
         "quick": args.quick,
         **machine_info(),
     }

@@ -44,6 +44,9 @@ class RunConfig:
     out_dir: str = "runs"
     seed: int = 0
     stages: tuple[Stage, ...] = ("grpo",)
+    # jax's persistent compilation cache: a resumed (or repeated) run reads its compiled
+    # programs back instead of compiling them again. Shared safely between runs.
+    compilation_cache_dir: str | None = None
 
     def validate(self) -> None:
         stages = list(self.stages)
@@ -109,24 +112,33 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device-mesh axis sizes; one of them may be -1, meaning "all remaining devices"."""
+    """Device-mesh axis sizes, one field per `parallel.MESH_AXES` entry; one of them may be
+    -1, meaning "all remaining devices". `sequence` > 1 splits each row's positions over
+    that many devices (context parallelism, for rows too long for one device)."""
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    sequence: int = 1
+    # The slice the run is sized for (v5p-128, v6e-64, v5p:4x4x4, or h100:8 for a GPU node):
+    # what `python -m muajax.plan --config` compiles for. The trainer uses the devices it finds.
+    topology: str | None = None
 
     def validate(self) -> None:
-        wild = [n for n in ("data", "fsdp", "tensor") if getattr(self, n) == -1]
-        for name in ("data", "fsdp", "tensor"):
+        wild = [n for n in parallel.MESH_AXES if getattr(self, n) == -1]
+        for name in parallel.MESH_AXES:
             size = getattr(self, name)
             check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (the rest of the devices), got {size}")
             if name in wild[1:]:
                 check(False, name, f"is -1 but so is {wild[0]}; at most one axis may be -1")
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) for `num_devices`, filling in the -1 axis."""
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in parallel.MESH_AXES}
+
+    def resolve(self, num_devices: int) -> tuple[int, ...]:
+        """Sizes in `parallel.MESH_AXES` order for `num_devices`, filling in the -1 axis."""
         try:
-            return parallel.resolve_mesh_shape(self.data, self.fsdp, self.tensor, num_devices)
+            return parallel.resolve_mesh_shape(*self.sizes().values(), num_devices)
         except ValueError as e:
             raise ConfigError(f"{e} (set one axis to -1 to absorb the rest)") from None
 
@@ -206,7 +218,14 @@ class SFTConfig:
     schedule: Schedule = "warmup_cosine"
     warmup_ratio: float = bounded(0.0, ge=0, lt=1)
     max_len: int = bounded(32768, ge=1)
+    # Rows per gradient pass (a multiple of data*fsdp); several passes add up to one update.
     microbatch_size: int | None = bounded(None, ge=1)
+    # Positions per LM-head chunk: the [T, V] logits never exist at once (any T works).
+    logits_chunk: int | None = bounded(None, ge=1)
+    # Conversations packed into rows of the longest one's length, with segment ids (attention
+    # never crosses a conversation; positions restart). "auto" packs when that computes fewer
+    # tokens a step than a row per conversation with the shared system prompt run once.
+    packing: Literal["auto", "on", "off"] = "auto"
     # Loss weight of the conversation's other tokens (user turns, tool results; never the
     # system prompt) beside the assistant's own (weight 1). MUA-RL's cold start uses 0. A
     # model trained from scratch (the embedded default) has no pretraining to copy ids and
@@ -306,6 +325,9 @@ class TrainConfig:
         check(mb is None or (mini or batch) % mb == 0, "grpo.microbatch_size",
               f"({mb}) must divide the rollout batch n_per_task*tasks_per_step = {batch}" if mini is None else
               f"({mb}) must divide grpo.minibatch_size ({mini})")
+        buckets = self.grpo.length_buckets
+        check(not buckets or buckets[-1] >= r.max_context, "grpo.length_buckets",
+              f"must reach rollout.max_context ({r.max_context}): the longest is {buckets and buckets[-1]}")
         check(arch is None or r.max_context <= arch.max_position_embeddings, "rollout.max_context",
               f"({r.max_context}) exceeds model.arch.max_position_embeddings ({arch and arch.max_position_embeddings})")
 

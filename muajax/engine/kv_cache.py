@@ -88,7 +88,8 @@ class PoolSpec:
 def allocate(spec: PoolSpec) -> jax.Array:
     # Committed to its device(s) like the pool every program returns: jit caches committed and
     # uncommitted arguments apart, so an uncommitted first pool would compile each program twice.
-    sharding = spec.sharding(spec.pool_spec()) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # Without a mesh: this process's default device (jax.devices()[0] may be another host's).
+    sharding = spec.sharding(spec.pool_spec()) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.jit(functools.partial(jnp.zeros, spec.shape, spec.cfg.compute_dtype), out_shardings=sharding)()
 
 

@@ -18,23 +18,28 @@ Implementations:
   chunked  `chunked_attention`: online softmax over key blocks, custom VJP, O(T x block)
            memory in the forward and the backward; any platform, both mask forms.
   splash   Pallas TPU splash attention (causal, segment ids, GQA) under `jax.shard_map`
-           over the current mesh: batch over (data, fsdp), heads over tensor. Off TPU it
-           runs in Pallas interpret mode (slow: for tests and parity only).
+           over the current mesh: batch over (data, fsdp), heads over tensor, queries over
+           sequence (`muajax.models.splash_attention`). Off TPU it runs in Pallas
+           interpret mode (slow: for tests and parity only).
   cudnn    `jax.nn.dot_product_attention(implementation="cudnn")`: causal, with segments
            as a boolean mask (jax.nn exposes no cuDNN packed layout, so packed rows on GPU
            carry a [B, 1, T, T] mask). GPU only, bfloat16/float16 only.
   auto     splash on TPU; cudnn on GPU in bfloat16/float16; else chunked from
            AUTO_CHUNKED_MIN_LEN keys on, xla below.
 splash and cudnn serve only self-attention; given the cache form they run chunked.
+
+On a mesh whose `sequence` axis splits the rows' positions (`muajax.parallel`), xla,
+chunked and splash run context-parallel: each device's queries against the whole row's
+keys and values, gathered over that axis (`muajax.models.context_parallel`); cudnn refuses.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from muajax import parallel
 from muajax.models.chunked_attention import NEG, chunked_attention
+from muajax.models.context_parallel import context_parallel, current_platform, sequence_split
+from muajax.models.splash_attention import SPLASH_BLOCK, splash_attention
 
 IMPLEMENTATIONS = ("auto", "xla", "chunked", "splash", "cudnn")
 
@@ -51,18 +56,7 @@ AUTO_CHUNKED_MIN_LEN = 1024
 # Block length of `chunked` on both axes: a [B, N, 512, 512] float32 score block is 1 MiB
 # per head and row, big enough for efficient dots, small enough to stay in cache-sized tiles.
 CHUNK_BLOCK = 512
-# Splash's block on every axis (forward, dq, dkv), as MaxText sets it for long sequences;
-# shorter sequences use one block of their length rounded up to the 128 TPU lanes.
-SPLASH_BLOCK = 512
-SPLASH_LANES = 128
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def current_platform() -> str:
-    """The platform of the mesh in context (`jax.set_mesh`), else the default backend:
-    compiling for a TPU topology on a CPU host counts as TPU."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
 
 
 def resolve(implementation: str, *, num_keys: int, dtype, platform: str, cache_form: bool) -> str:
@@ -99,19 +93,31 @@ def attention(q, k, v, *, implementation: str = "auto", segment_ids=None, q_inde
                    cache_form=cache_form)
     if impl == "splash":
         return splash_attention(q, k, v, segment_ids, block=block or SPLASH_BLOCK)
+    mesh = jax.sharding.get_abstract_mesh()
+    split = not mesh.empty and sequence_split(mesh, t) > 1
     if impl == "cudnn":
+        if split:
+            raise ValueError("attention: cudnn does not split a row over the mesh's sequence axis; "
+                             "use chunked (or a mesh with sequence=1)")
         args, kwargs = cudnn_arguments(q, k, v, segment_ids)
         return jax.nn.dot_product_attention(*args, **kwargs, implementation="cudnn")
+    if impl == "chunked":
+        local = lambda q, k, v, qi, qs, ks, valid: chunked_attention(
+            q, k, v, qi, q_seg=qs, kv_seg=ks, kv_valid=valid, block=block or CHUNK_BLOCK)
+    else:
+        local = lambda q, k, v, qi, qs, ks, valid: xla_attention(q, k, v, qi, segment_ids=qs, kv_segment_ids=ks,
+                                                                 kv_valid=valid)
+    if split:  # each device's queries against the whole row's keys (context parallelism)
+        return context_parallel(local, q, k, v, segment_ids=segment_ids, q_index=q_index, kv_valid=kv_valid)
     if not cache_form:
         q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if impl == "chunked":
-        return chunked_attention(q, k, v, q_index, q_seg=segment_ids, kv_seg=segment_ids, kv_valid=kv_valid,
-                                 block=block or CHUNK_BLOCK)
-    return xla_attention(q, k, v, q_index, segment_ids=segment_ids, kv_valid=kv_valid)
+    return local(q, k, v, q_index, segment_ids, segment_ids, kv_valid)
 
 
-def xla_attention(q, k, v, q_index, *, segment_ids=None, kv_valid=None) -> jax.Array:
-    """The reference: float32 scores for every (query, key) pair, masked, softmaxed."""
+def xla_attention(q, k, v, q_index, *, segment_ids=None, kv_segment_ids=None, kv_valid=None) -> jax.Array:
+    """The reference: float32 scores for every (query, key) pair, masked, softmaxed.
+    `segment_ids` [B, T] are the queries' ids, `kv_segment_ids` [B, S] the keys' (default:
+    the same, for self-attention)."""
     b, t, n, h = q.shape
     kv = k.shape[1]
     q = q.reshape(b, t, kv, n // kv, h)
@@ -119,7 +125,8 @@ def xla_attention(q, k, v, q_index, *, segment_ids=None, kv_valid=None) -> jax.A
     scores = scores * (h**-0.5)
     allowed = jnp.arange(k.shape[2])[None, None, :] <= q_index[:, :, None]
     if segment_ids is not None:
-        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        allowed &= segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     if kv_valid is not None:
         allowed &= kv_valid[:, None, :]
     scores = jnp.where(allowed[:, None, None, :, :], scores, NEG)
@@ -137,57 +144,3 @@ def cudnn_arguments(q, k, v, segment_ids):
     if segment_ids is not None:
         kwargs["mask"] = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     return (q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)), kwargs
-
-
-# ----------------------------------------------------------------------------- splash
-
-
-def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                              block_kv_dq=block)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
-
-
-def _mesh_axis(mesh, size: int, logical: str):
-    """The mesh axes (or None) that the logical-axis rules give a dimension of `size`."""
-    return parallel.logical_to_spec((size,), (logical,), mesh)[0]
-
-
-def splash_attention(q, k, v, segment_ids=None, *, block: int = SPLASH_BLOCK) -> jax.Array:
-    """Causal splash attention; q [B, T, N, H], k, v [B, K, T, H]. T is padded inside to a
-    multiple of the block (padding keys come after every real query, so causality hides
-    them). Splash takes no scale: q is scaled before the kernel."""
-    b, t, n, h = q.shape
-    lanes = lambda x: -(-x // SPLASH_LANES) * SPLASH_LANES  # every splash block is whole lanes
-    block = min(lanes(block), lanes(t))
-    padded = -(-t // block) * block
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, padded - t), (0, 0)])
-    q = pad((q.astype(jnp.float32) * h**-0.5).astype(q.dtype).transpose(0, 2, 1, 3))
-    k, v = pad(k), pad(v)
-    seg = None if segment_ids is None else jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, padded - t)])
-    mesh = jax.sharding.get_abstract_mesh()
-    interpret = current_platform() != "tpu"
-
-    def body(q, k, v, *seg):
-        kernel = _splash_kernel(q.shape[1], padded, block, interpret)
-        if not seg:
-            return jax.vmap(kernel)(q, k, v)
-        return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(q, k, v, *seg)
-
-    if mesh.empty:
-        out = body(q, k, v, *([] if seg is None else [seg]))
-    else:
-        batch_axes = _mesh_axis(mesh, b, "activation_batch")
-        head_axes = _mesh_axis(mesh, n, "activation_heads")
-        if head_axes is not None and _mesh_axis(mesh, k.shape[1], "activation_heads") != head_axes:
-            # kv heads the tensor axis does not divide: give each query head its own copy, so
-            # every device holds the kv heads of its query heads
-            k, v = (jnp.repeat(x, n // x.shape[1], axis=1) for x in (k, v))
-        spec = jax.sharding.PartitionSpec(batch_axes, head_axes, None, None)
-        args, specs = (q, k, v), (spec, spec, spec)
-        if seg is not None:
-            args, specs = args + (seg,), specs + (jax.sharding.PartitionSpec(batch_axes, None),)
-        out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)(*args)
-    return out[:, :, :t].transpose(0, 2, 1, 3)

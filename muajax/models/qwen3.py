@@ -304,7 +304,13 @@ class Qwen3(nn.Module):
         cfg = self.cfg
         dt = cfg.compute_dtype
         embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("embed_vocab", "embed"), nn.initializers.normal(0.02))
-        x = jnp.take(embed, tokens, axis=0).astype(dt)
+        # The lookup reads a table whose width is split over fsdp alone, and its result moves
+        # to rows over fsdp before positions over sequence: XLA makes each step one all-to-all
+        # or a local slice, where going straight from a width split over fsdp and sequence to
+        # rows and positions it replicates the whole [B, T, D] on every device instead.
+        table = nn.with_logical_constraint(embed, ("embed_vocab", "embed_lookup"))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
+        x = nn.with_logical_constraint(x, ("activation_batch", None, "activation_embed"))
         x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
         layer_cls = DecoderLayer

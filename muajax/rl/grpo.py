@@ -22,7 +22,8 @@ from muajax.models.sharding import param_shardings
 from muajax.rl.advantages import group_advantages
 from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
 from muajax.rl.optim import Optimizer
-from muajax.rl.step import LossFn, TrainStep, sequence_logprobs, shift_left, split_microbatches
+from muajax.rl.sequence import sequence_logprobs
+from muajax.rl.step import LossFn, TrainStep, shift_left, split_microbatches
 
 Schedule = Literal["constant", "warmup_cosine"]
 
@@ -53,11 +54,15 @@ class GRPOConfig(Checked):
     # of this size, as verl's ppo_mini_batch_size and ppo_epochs do.
     minibatch_size: int | None = bounded(None, ge=1)
     ppo_epochs: int = bounded(1, ge=1)
-    microbatch_size: int | None = bounded(None, ge=1)  # rows per gradient pass within one update
+    # rows per gradient pass within one update: a multiple of data*fsdp (each device takes whole rows)
+    microbatch_size: int | None = bounded(None, ge=1)
     logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once
     # The KL reference model's weights: None = the params' own dtype; "bfloat16" halves its
     # memory (its logprobs then round like a bfloat16 model's).
     reference_dtype: Literal["float32", "bfloat16"] | None = None
+    # Padded lengths of the rollout batches, one compilation of the step each: a batch takes
+    # the shortest that holds its longest rollout. None: 512 doubled up to rollout.max_context.
+    length_buckets: tuple[int, ...] | None = None
     # More than this many steps in a row with a non-finite loss or gradient (each such
     # update is dropped) stops the run after a checkpoint: the cause (a learning rate, a
     # poisoned batch, params gone NaN) will not fix itself. null: never stop.
@@ -76,6 +81,10 @@ class GRPOConfig(Checked):
         check(self.minibatch_size is None or self.microbatch_size is None
               or self.minibatch_size % self.microbatch_size == 0, "microbatch_size",
               f"({self.microbatch_size}) must divide minibatch_size ({self.minibatch_size})")
+        buckets = self.length_buckets
+        check(buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)
+                                  and list(buckets) == sorted(set(buckets))), "length_buckets",
+              f"must be positive lengths in increasing order, got {buckets}")
 
     @property
     def uses_reference(self) -> bool:

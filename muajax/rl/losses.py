@@ -32,7 +32,7 @@ K3_CLAMP = 10.0
 
 _STATIC = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_estimator", "kl_clamp", "agg", "ratio_level")
 METRIC_SUM_KEYS = ("num_tokens", "num_seqs", "clip_low_count", "clip_high_count", "dual_clip_count",
-                   "kl_sum", "ratio_sum", "ppo_kl_sum", "pg_loss_sum")
+                   "kl_sum", "ratio_sum", "ratio_dev_sum", "ppo_kl_sum", "pg_loss_sum")
 
 
 def _is_number(x) -> bool:
@@ -157,6 +157,9 @@ def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_
         "dual_clip_count": dual_tok.astype(f32).sum(),
         "kl_sum": sg(kl.sum()),
         "ratio_sum": sg(jnp.where(mask, ratio, 0.0).sum()),
+        # mean |ratio - 1|: on a step's first pass the policy is the rollout's, so this is the
+        # engine's and the trainer's disagreement on the same tokens (the on-policy mismatch)
+        "ratio_dev_sum": sg(jnp.where(mask, jnp.abs(ratio - 1.0), 0.0).sum()),
         # verl's ppo_kl: mean of log(pi_old / pi), a cheap drift check against rollout.
         "ppo_kl_sum": sg(-token_log_ratio.sum()),
         "pg_loss_sum": sg((pg * weights).sum()),
@@ -175,6 +178,7 @@ def finalize_policy_metrics(denominator, metrics_sums):
         "dual_clip_frac": metrics_sums["dual_clip_count"] / n_tok,
         "kl": metrics_sums["kl_sum"] / n_tok,
         "ratio_mean": metrics_sums["ratio_sum"] / n_tok,
+        "ratio_abs_dev": metrics_sums["ratio_dev_sum"] / n_tok,
         "ppo_kl": metrics_sums["ppo_kl_sum"] / n_tok,
         "pg_loss": metrics_sums["pg_loss_sum"] / jnp.maximum(denominator, 1.0),
         "num_tokens": metrics_sums["num_tokens"],

@@ -6,6 +6,13 @@ non-finite skip); only the loss differs. Batch: `tokens` int32 [B, T] and `loss_
 token like the GRPO batch: position t of the forward predicts tokens[:, t+1], whose
 mask is loss_mask[:, t+1]. The loss is the token-mean over the whole batch, as MUA-RL's
 cold start (verl's SFT trainer) aggregates it.
+
+Packed rows (`muajax.train.packing`) also carry `segment_ids` [B, T]: one id per
+conversation, 0 for padding. Attention stays within each conversation and positions restart
+in each, so a packed row computes what its conversations would alone. The last token of a
+conversation is followed by the next one's first token, which it must not predict: the
+packer leaves that target's mask 0 (each conversation's first token is never an assistant
+token). A shared prefix does not apply to packed rows (they do not begin alike).
 """
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ import numpy as np
 from muajax.models.sharding import param_shardings
 from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.optim import Optimizer
-from muajax.rl.step import TrainStep, sequence_logprobs, shift_left
+from muajax.rl.sequence import sequence_logprobs
+from muajax.rl.step import TrainStep, shift_left
 
 
 def sft_terms(logprobs, mask, entropy=None, context=None):
@@ -44,9 +52,10 @@ def sft_loss_fn(cfg: Qwen3Config, *, logits_chunk: int | None = None, shared_pre
     def loss_fn(params, _frozen, mb):
         if "tokens" not in mb or "loss_mask" not in mb:
             raise KeyError(f"SFT batch needs 'tokens' and 'loss_mask'; got keys {sorted(mb)}")
-        tokens = mb["tokens"]
+        tokens, segment_ids = mb["tokens"], mb.get("segment_ids")
         logp, ent = sequence_logprobs(params, cfg, tokens, shift_left(tokens), logits_chunk=logits_chunk,
-                                      shared_prefix=shared_prefix, with_entropy=with_entropy)
+                                      shared_prefix=0 if segment_ids is not None else shared_prefix,
+                                      with_entropy=with_entropy, segment_ids=segment_ids)
         context = shift_left(mb["context_mask"]) if "context_mask" in mb else None
         return sft_terms(logp, shift_left(mb["loss_mask"]), ent, context)
 

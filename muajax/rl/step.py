@@ -35,8 +35,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config, abstract_params, forward, forward_shared_prefix, lm_head
-from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
+from muajax.models.qwen3 import Qwen3Config, abstract_params
 from muajax.rl.optim import Optimizer
 
 LossFn = Callable[[Any, Any, dict], tuple[jax.Array, jax.Array, dict]]
@@ -55,62 +54,6 @@ def shift_left(x: jax.Array, fill=0) -> jax.Array:
     """x[:, 1:] padded at the end with `fill`: aligns per-token data with next-token targets."""
     pad = jnp.full_like(x[:, :1], fill)
     return jnp.concatenate([x[:, 1:], pad], axis=1)
-
-
-def _head(params, cfg: Qwen3Config):
-    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-
-
-def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature: float = 1.0,
-                      logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True,
-                      segment_ids=None):
-    """(logprobs, entropy) f32 [B, T] of `targets` under the model run on `tokens`.
-
-    `with_entropy=False` returns (logprobs, None) and saves two [B, T, V] passes (the
-    entropy's, and its zero cotangent's in the backward).
-
-    With `logits_chunk`, the LM head and log-softmax run over chunks of positions under
-    remat, so only one [B, chunk, V] logits block is ever alive (forward or backward)
-    instead of [B, T, V] — at T = 32k and V = 152k the full block is tens of GB.
-    With `shared_prefix` = P > 0 every row must begin with the same P tokens (the system
-    prompt): they run once, not once per row (`forward_shared_prefix`).
-    `segment_ids` [B, T] runs packed rows (see `forward`): attention stays in each segment
-    and positions restart in each.
-    """
-    if shared_prefix and segment_ids is not None:
-        raise ValueError("sequence_logprobs: a shared prefix and packed segments do not combine")
-    if shared_prefix:
-        hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
-    else:
-        hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids)
-    head = _head(params, cfg)
-
-    def block(h, tgt):
-        # Rows flattened to one [B*T] axis (still sharded like the batch: B is its outer
-        # factor): with B and T as separate dims XLA:CPU transposes the [B, T, V] logits
-        # cotangent for the head's weight gradient, measured ~20% slower per step's head.
-        rows = h.shape[0] * h.shape[1]
-        logits = lm_head(h.reshape(rows, h.shape[2]), head, cfg)  # float32 with cfg.logits_fp32
-        logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_vocab"))[None]
-        tgt = tgt.reshape(1, rows)
-        if with_entropy:
-            logp, ent = logprobs_and_entropy(logits, tgt, temperature)
-            return logp.reshape(h.shape[:2]), ent.reshape(h.shape[:2])
-        if temperature != 1.0:
-            logits = logits.astype(jnp.float32) / jnp.float32(temperature)
-        return token_logprobs(logits, tgt).reshape(h.shape[:2]), None
-
-    b, t = tokens.shape
-    if logits_chunk is None or logits_chunk >= t:
-        return block(hidden, targets)
-    if t % logits_chunk:
-        raise ValueError(f"logits_chunk={logits_chunk} must divide the sequence length {t}")
-    n = t // logits_chunk
-    h = hidden.reshape(b, n, logits_chunk, -1).swapaxes(0, 1)
-    tg = targets.reshape(b, n, logits_chunk).swapaxes(0, 1)
-    logp, ent = jax.lax.map(lambda xs: jax.checkpoint(block)(*xs), (h, tg))
-    unchunk = lambda x: None if x is None else x.swapaxes(0, 1).reshape(b, t)
-    return unchunk(logp), unchunk(ent)
 
 
 def split_microbatches(x: jax.Array, k: int, mesh) -> jax.Array:

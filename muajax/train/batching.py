@@ -13,10 +13,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from muajax import parallel
+from muajax.config.fields import ConfigError
 
 PAD_GROUP = -1
 LENGTH_MULTIPLE = 128  # SFT and warm-up lengths are multiples of this
-ROLLOUT_LENGTH_MULTIPLE = 512  # rollout lengths vary step to step: coarser buckets, fewer compilations
+# The shortest GRPO length bucket; the others double it up to the rollout context. Rollout
+# lengths vary step to step, and each bucket is one compilation of the whole train step:
+# 7 buckets up to 32768 against 64 lengths as multiples of 512, for at most twice the
+# positions of the longest rollout (and on average ~1.4x).
+ROLLOUT_LENGTH_MULTIPLE = 512
 
 
 def pad_rows(batch: dict[str, np.ndarray], extra: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -45,8 +50,54 @@ def batch_divisor(mesh, microbatches: int) -> int:
     return parallel.batch_divisor(mesh) * microbatches
 
 
+def microbatch_count(rows: int, microbatch_size: int | None, mesh, key: str) -> int:
+    """How many microbatches of `microbatch_size` rows a batch of `rows` is cut into (1 with
+    none). Each must be a multiple of data * fsdp: every device takes whole rows of every
+    microbatch, so a smaller one would be padded with empty rows up to that, in every
+    microbatch (256 rows in microbatches of 8 on 32 devices would compute 1024)."""
+    if microbatch_size is None:
+        return 1
+    devices = parallel.batch_divisor(mesh)
+    if microbatch_size % devices:
+        hint = -(-microbatch_size // devices) * devices
+        raise ConfigError(f"{key} ({microbatch_size}) must be a multiple of data*fsdp = {devices}: every device "
+                          f"takes whole rows of each microbatch (one row per device per pass: {key}={devices}; "
+                          f"nearest: {hint})")
+    if rows % microbatch_size:
+        raise ConfigError(f"{key} ({microbatch_size}) must divide the {rows} rows of a batch")
+    return rows // microbatch_size
+
+
+def check_microbatch_sizes(cfg, mesh) -> None:
+    """Stop a run whose microbatch sizes do not suit its mesh before anything compiles."""
+    if "grpo" in cfg.run.stages:
+        rows = cfg.grpo.minibatch_size or cfg.rollout.n_per_task * cfg.rollout.tasks_per_step
+        microbatch_count(rows, cfg.grpo.microbatch_size, mesh, "grpo.microbatch_size")
+    if "sft" in cfg.run.stages:
+        microbatch_count(cfg.sft.batch_size, cfg.sft.microbatch_size, mesh, "sft.microbatch_size")
+
+
 def padded_length(longest: int, multiple: int) -> int:
     return max(1, -(-longest // multiple)) * multiple
+
+
+def length_buckets(max_len: int, smallest: int = ROLLOUT_LENGTH_MULTIPLE) -> tuple[int, ...]:
+    """The default GRPO lengths: `smallest` doubled while below `max_len`, then `max_len`
+    rounded up to `smallest` (the longest a rollout can be)."""
+    buckets, length = [], smallest
+    while length < max_len:
+        buckets.append(length)
+        length *= 2
+    return tuple(buckets) + (padded_length(max_len, smallest),)
+
+
+def bucket_length(longest: int, buckets: Sequence[int]) -> int:
+    """The shortest bucket that holds `longest` tokens."""
+    for length in sorted(buckets):
+        if length >= longest:
+            return length
+    raise ValueError(f"a rollout of {longest} tokens is longer than every length bucket {tuple(buckets)} "
+                     "(grpo.length_buckets must reach rollout.max_context)")
 
 
 def common_prefix(rows: Sequence[Sequence[int]]) -> int:

@@ -27,8 +27,7 @@ from muajax.models.vocab import DOMAIN_VOCAB_FILE, DomainTokenizer, DomainVocab,
 
 
 def make_mesh(cfg: TrainConfig):
-    data, fsdp, tensor = cfg.mesh.resolve(jax.device_count())
-    return parallel.make_mesh(data, fsdp, tensor)
+    return parallel.make_mesh(*cfg.mesh.resolve(jax.device_count()))
 
 
 def _vocabulary_conversations(env: Environment, task) -> list[list[dict]]:

@@ -20,7 +20,9 @@ from muajax.domains.registry import make_domain, make_user
 from muajax.engine.engine import Engine
 from muajax.models.qwen3 import Qwen3Config
 from muajax.train import build
+from muajax.train.batching import check_microbatch_sizes
 from muajax.train.checkpoint import Checkpointer
+from muajax.train.compilation import enable_compilation_cache
 from muajax.train.metrics import MetricsWriter, ProgressBar
 from muajax.train.roles import make_rollout_engine
 
@@ -127,7 +129,9 @@ class RunContext:
 def build_context(cfg: TrainConfig, *, resume: bool = False, domain: Domain | None = None,
                   tokenizer=None) -> RunContext:
     """Everything a run's stages share, from its config."""
+    enable_compilation_cache(cfg.run.compilation_cache_dir)  # before anything compiles
     mesh = build.make_mesh(cfg)
+    check_microbatch_sizes(cfg, mesh)
     domain = domain or make_domain(cfg.env, cfg.user)
     model_cfg, tok, hf_dir = build.model_and_tokenizer(cfg, domain.env, cfg.run_dir, tokenizer)
     return RunContext(cfg, mesh, domain, model_cfg, tok, hf_dir, resume=resume)

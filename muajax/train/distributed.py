@@ -160,13 +160,15 @@ def from_main_process(fn: Callable[[], T]) -> T:
 # ---------------------------------------------------------------------- the global batch
 
 
-def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, multiple: int, first_group: int) -> dict:
-    """`collate` of this process's trajectories, at the length every process agrees on, with
-    group ids counted from `first_group` (its first task's global index)."""
+def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, length_of: Callable[[int], int],
+                  first_group: int) -> dict:
+    """`collate` of this process's trajectories, at the length every process agrees on (the
+    largest `length_of(longest)`; a non-decreasing `length_of`, such as a bucket), with group
+    ids counted from `first_group` (its first task's global index)."""
+    length = length_of(max(len(t.tokens) for t in trajectories))
     if not multiprocess():
-        return collate(trajectories, pad_id=pad_id, multiple=multiple)
-    longest = max(len(t.tokens) for t in trajectories)
-    length = max(allgather_ints(max(1, -(-longest // multiple) * multiple)))
+        return collate(trajectories, pad_id=pad_id, length=length)
+    length = max(allgather_ints(length))
     batch = collate(trajectories, pad_id=pad_id, length=length)
     batch["group_ids"] = batch["group_ids"] + np.int32(first_group)
     return batch
@@ -252,12 +254,13 @@ def process_devices(process_index: int) -> list:
 
 
 def local_mesh(global_mesh: Mesh) -> Mesh:
-    """A (data, fsdp, tensor) mesh over this process's devices: the global tensor axis if it
-    fits on one host (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
+    """A mesh over this process's devices: the global tensor axis if it fits on one host
+    (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
     devices = process_devices(jax.process_index())
     tensor = math.gcd(global_mesh.shape["tensor"], len(devices))
-    grid = np.array(devices, dtype=object).reshape(1, len(devices) // tensor, tensor)
-    return Mesh(grid, parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    sizes = dict.fromkeys(parallel.MESH_AXES, 1) | {"fsdp": len(devices) // tensor, "tensor": tensor}
+    grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
+    return Mesh(grid, parallel.MESH_AXES, axis_types=(AxisType.Auto,) * len(parallel.MESH_AXES))
 
 
 def local_replicas(params, local_shardings):
@@ -269,7 +272,7 @@ def local_replicas(params, local_shardings):
     local = next(iter(jax.tree.leaves(local_shardings))).mesh
     grid = np.stack([np.array(process_devices(p), dtype=object).reshape(local.devices.shape)
                      for p in range(jax.process_count())])
-    stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES, axis_types=(AxisType.Auto,) * (1 + len(parallel.MESH_AXES)))
     # the local layout with the "processes" axis unnamed in every spec: one replica per process
     replicas = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(stacked, s.spec), local_shardings))
     return jax.tree.map(

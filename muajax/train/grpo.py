@@ -26,8 +26,8 @@ from muajax.rl.advantages import group_advantages
 from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
 from muajax.train import distributed
-from muajax.train.batching import (ROLLOUT_LENGTH_MULTIPLE, batch_divisor, common_prefix, mask_failed,
-                                   mask_uniform_groups, minibatches, pad_to_multiple)
+from muajax.train.batching import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_failed,
+                                   mask_uniform_groups, microbatch_count, minibatches, pad_to_multiple)
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
@@ -113,25 +113,32 @@ def _place(ctx: RunContext, batch: dict, divisor: int) -> dict:
     return pad_to_multiple(batch, divisor, ctx.pad_id)
 
 
+# Of the first update only: the policy has not moved yet, so its ratios to the rollout's
+# logprobs show how far the trainer's numbers are from the engine's (the on-policy mismatch).
+FIRST_PASS_KEYS = ("clip_frac", "ratio_abs_dev")
+
+
 def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int, old_logprobs_fn=None):
     """The step's optimizer update(s); returns the state and the mean of their metrics, with
-    `updates`, their number. `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs)
-    replaces every mini-batch's old logprobs before the first update."""
+    `updates`, their number, and `first_pass/...`, the first update's FIRST_PASS_KEYS.
+    `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs) replaces every
+    mini-batch's old logprobs before the first update."""
     g = ctx.cfg.grpo
-    if g.minibatch_size is None:  # the paper's: one update on the whole batch
-        placed = _place(ctx, batch, divisor)
-        state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
-        return state, {**{k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}, "updates": 1.0}
-    local_size = g.minibatch_size // jax.process_count()
-    parts = [_place(ctx, part, divisor) for part in minibatches(with_advantages(batch, g), local_size)]
-    if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
-        parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
+    if g.minibatch_size is None:  # the paper's: one update on the whole batch (ppo_epochs is 1)
+        parts = [_place(ctx, batch, divisor)]
+    else:
+        local_size = g.minibatch_size // jax.process_count()
+        parts = [_place(ctx, part, divisor) for part in minibatches(with_advantages(batch, g), local_size)]
+        if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
+            parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
     records = []
     for _ in range(g.ppo_epochs):
         for placed in parts:
             state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
             records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
-    return state, {**{k: float(np.mean([r[k] for r in records])) for k in records[0]}, "updates": float(len(records))}
+    summary = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+    summary.update({f"first_pass/{k}": records[0][k] for k in FIRST_PASS_KEYS})
+    return state, {**summary, "updates": float(len(records))}
 
 
 def reference_params(params, grpo, shardings):
@@ -148,7 +155,8 @@ def run_grpo(ctx: RunContext, params):
     tasks = ctx.train_tasks()
     steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
     batch_size = r.n_per_task * r.tasks_per_step
-    micro = (g.minibatch_size or batch_size) // g.microbatch_size if g.microbatch_size else 1
+    micro = microbatch_count(g.minibatch_size or batch_size, g.microbatch_size, ctx.mesh, "grpo.microbatch_size")
+    buckets = g.length_buckets or length_buckets(r.max_context)
     prefix = shared_system_prefix(ctx, tasks)
     optimizer = optimizer_from_config(g, total_steps=steps * g.updates_per_step(batch_size))
     step_fn = make_grpo_step(ctx.model_cfg, optimizer, ctx.mesh, grpo=g, temperature=max(r.temperature, 1e-6),
@@ -184,8 +192,8 @@ def run_grpo(ctx: RunContext, params):
         ctx.engine_idle()  # the update gets the memory of the engine's params copy (and pool)
         everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
         stop_on_failures(ctx, ckpt, index, state, everyone, position)
-        batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, multiple=ROLLOUT_LENGTH_MULTIPLE,
-                                          first_group=first)
+        batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, first_group=first,
+                                          length_of=lambda longest: bucket_length(longest, buckets))
         batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
         if common_prefix(batch["tokens"]) < prefix:
             raise RuntimeError(f"rollouts no longer share the {prefix}-token system prompt")

@@ -1,5 +1,6 @@
 """The cold-start SFT stage: the data (a JSONL file, or the built-in expert's conversations),
-then epochs of the SFT step over it, checkpointed and resumable.
+then epochs of the SFT step over it, checkpointed and resumable. Each step's conversations
+are packed into rows (`muajax.train.packing`, `sft.packing`) or take a row each.
 
 A fresh stage first runs the warm-ups the config asks for (`muajax.train.warmup`); a
 resumed one restores its state instead (the warm-ups are already in it).
@@ -19,10 +20,11 @@ from muajax.domains.builtin.expert import expert_records
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.train import distributed
-from muajax.train.batching import (LENGTH_MULTIPLE, batch_divisor, common_prefix, pad_to_multiple, padded_length,
-                                   sft_batch)
+from muajax.train.batching import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, pad_to_multiple,
+                                   padded_length, sft_batch)
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
+from muajax.train.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.warmup import copy_warmup, domain_warmup
 
 Example = tuple[list[int], list[int]]  # (token ids, assistant mask)
@@ -68,18 +70,40 @@ def sft_examples(ctx: RunContext) -> list[Example]:
     return read_examples(path, ctx.tok, ctx.cfg.sft.max_len)
 
 
+def step_examples(num_examples: int, batch_size: int, seed: int, index: int) -> list[int]:
+    """The examples of SFT step `index`: its share of the epoch's seeded permutation."""
+    per_epoch = max(1, num_examples // batch_size)
+    epoch, within = divmod(index, per_epoch)
+    order = np.random.default_rng([seed, 7, epoch]).permutation(num_examples)
+    return [int(i) for i in order[within * batch_size:(within + 1) * batch_size]]
+
+
+def plan_batches(ctx: RunContext, examples: list[Example], total: int, prefix: int) -> PackingPlan:
+    """Row length and rows per step, packed (`sft.packing`) or one conversation a row."""
+    s, seed = ctx.cfg.sft, ctx.cfg.run.seed
+    length = padded_length(max(len(ids) for ids, _ in examples), LENGTH_MULTIPLE)  # one compilation
+    lengths = lambda index: [len(examples[i][0]) for i in step_examples(len(examples), s.batch_size, seed, index)]
+    plan = plan_packing(lengths, total, length=length, batch_size=s.batch_size,
+                        row_multiple=s.microbatch_size or batch_divisor(ctx.mesh, 1), shared_prefix=prefix,
+                        mode=s.packing)
+    if plan.enabled:
+        print(f"[sft] packing: {s.batch_size} conversations a step in {plan.rows} rows of {length} tokens "
+              f"({plan.packed_tokens} tokens a step, against {plan.unpacked_tokens} unpacked)", flush=True)
+    return plan
+
+
 def run_sft(ctx: RunContext, params):
     """SFT from `params`; returns the tuned params."""
     s, seed = ctx.cfg.sft, ctx.cfg.run.seed
     examples = distributed.from_main_process(lambda: sft_examples(ctx))  # multi-host: only host 0 has the file
     per_epoch = max(1, len(examples) // s.batch_size)
     total = s.steps or per_epoch * s.epochs
-    micro = s.batch_size // s.microbatch_size if s.microbatch_size else 1
     prefix = common_prefix([ids for ids, _ in examples])
+    plan = plan_batches(ctx, examples, total, prefix)
+    micro = microbatch_count(plan.rows, s.microbatch_size, ctx.mesh, "sft.microbatch_size")
     step_fn = make_sft_step(ctx.model_cfg, optimizer_from_config(s, total_steps=total), ctx.mesh, microbatches=micro,
-                            shared_prefix=prefix)
+                            shared_prefix=0 if plan.enabled else prefix, logits_chunk=s.logits_chunk)
     ckpt = ctx.checkpointer("sft")
-    length = padded_length(max(len(ids) for ids, _ in examples), LENGTH_MULTIPLE)  # one compilation
     restored = ckpt.restore_latest(step_fn.init_state(params)) if ctx.resume else None
     if restored is not None:
         start, state = restored.step, restored.state
@@ -92,10 +116,13 @@ def run_sft(ctx: RunContext, params):
     divisor = batch_divisor(ctx.mesh, micro)
 
     def step(state, index):
-        epoch, within = divmod(index, per_epoch)
-        order = np.random.default_rng([seed, 7, epoch]).permutation(len(examples))
-        chosen = [examples[i] for i in order[within * s.batch_size:(within + 1) * s.batch_size]]
-        batch = sft_batch(chosen, ctx.pad_id, length, context_weight=s.context_weight, context_start=prefix)
+        chosen = [examples[i] for i in step_examples(len(examples), s.batch_size, seed, index)]
+        if plan.enabled:
+            bins = pack([len(ids) for ids, _ in chosen], plan.length)
+            batch = packed_batch(chosen, bins, ctx.pad_id, plan.length, plan.rows, context_weight=s.context_weight,
+                                 context_start=prefix)
+        else:
+            batch = sft_batch(chosen, ctx.pad_id, plan.length, context_weight=s.context_weight, context_start=prefix)
         batch = pad_to_multiple(batch, divisor, ctx.pad_id)
         # multi-host: every process built this same batch; each places its own devices' rows
         state, metrics = step_fn(state, distributed.same_on_every_process(batch, ctx.mesh))

@@ -103,7 +103,8 @@ def warmup_steps(ctx: RunContext, params, steps: int, make_batch, *, on_step=Non
     """(params, first nll, last nll) after `steps` SFT steps on `make_batch()` batches, with a
     fresh optimizer on the SFT schedule."""
     optimizer = optimizer_from_config(ctx.cfg.sft, total_steps=steps)
-    step_fn = make_sft_step(ctx.model_cfg, optimizer, ctx.mesh, shared_prefix=shared_prefix)
+    step_fn = make_sft_step(ctx.model_cfg, optimizer, ctx.mesh, shared_prefix=shared_prefix,
+                            logits_chunk=ctx.cfg.sft.logits_chunk)
     divisor = batch_divisor(ctx.mesh, 1)
     nlls: list[float] = []
     log_every = max(1, steps // 10)

@@ -3,6 +3,7 @@ from typing import Literal, Optional
 
 import pytest
 
+from muajax import parallel
 from muajax.config import fields as F
 from muajax.config import loader as L
 from muajax.config import schema as C
@@ -168,13 +169,22 @@ def test_variants_are_value_sets():
 
 
 def test_mesh_resolve():
-    assert C.MeshConfig().resolve(8) == (1, 8, 1)
-    assert C.MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 2)
-    assert C.MeshConfig(data=2, fsdp=4, tensor=1).resolve(8) == (2, 4, 1)
-    with pytest.raises(ConfigError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1\} has 4 devices but 8 are"):
+    assert C.MeshConfig().resolve(8) == (1, 8, 1, 1)
+    assert C.MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 2, 1)
+    assert C.MeshConfig(data=2, fsdp=4, tensor=1).resolve(8) == (2, 4, 1, 1)
+    assert C.MeshConfig(fsdp=-1, sequence=4).resolve(8) == (1, 2, 1, 4)
+    with pytest.raises(ConfigError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1, 'sequence': 1\} has 4 devices "):
         C.MeshConfig(data=2, fsdp=2, tensor=1).resolve(8)
     with pytest.raises(ConfigError, match="8 devices are not divisible by 3"):
         C.MeshConfig(data=3, fsdp=-1, tensor=1).resolve(8)
+    with pytest.raises(ConfigError, match="mesh.sequence.*at most one axis may be -1"):
+        load_config(None, ["mesh.sequence=-1"])
+
+
+def test_mesh_config_has_one_field_per_mesh_axis():
+    # every axis, in order, and `topology` (what the run is planned for: not an axis)
+    assert tuple(f.name for f in dataclasses.fields(C.MeshConfig)) == (*parallel.MESH_AXES, "topology")
+    assert tuple(C.MeshConfig().sizes()) == parallel.MESH_AXES
 
 
 def test_base_inheritance(tmp_path):

@@ -16,7 +16,9 @@ from muajax.models.sharding import param_shardings
 
 CFG = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, rope_theta=10000.0)
-MESHES = {"one device": None, "data=2,fsdp=2,tensor=2": (2, 2, 2), "fsdp=8": (1, 8, 1), "fsdp=2,tensor=4": (1, 2, 4)}
+MESHES = {"one device": None, "data=2,fsdp=2,tensor=2": (2, 2, 2), "fsdp=8": (1, 8, 1), "fsdp=2,tensor=4": (1, 2, 4),
+          # a training mesh split over sequence: the resident engine runs on the run's mesh
+          "fsdp=2,sequence=4": (1, 2, 1, 4)}
 
 
 def conversations(engine: Engine) -> list:

@@ -8,6 +8,11 @@ import sys
 import numpy as np
 import pytest
 
+from muajax.planning.topology import libtpu_available
+
+NEEDS_LIBTPU = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
+                                  'pip install -e ".[tpu]"')
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -54,6 +59,7 @@ def test_sharded_pool_generates_what_one_device_does():
     assert sum(got["stats"]["preemptions"] for got in found.values()) > 0
 
 
+@NEEDS_LIBTPU
 def test_pallas_programs_compile_for_a_tpu_topology():
     """The real TPU compiler (libtpu, no TPU needed) compiles decode and extend with the kernel
     on v5p:2x2x1 (two page shards x tensor 2); temporaries and collectives do not follow the pool."""

@@ -23,8 +23,8 @@ CFG = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_l
 def main(topology: str) -> None:
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     # two data-parallel shards of pages, kv heads split over tensor=2
-    mesh = Mesh(np.array(devices).reshape(1, len(devices) // 2, 2), parallel.MESH_AXES,
-                axis_types=(AxisType.Auto,) * 3)
+    mesh = Mesh(np.array(devices).reshape(1, len(devices) // 2, 2, 1), parallel.MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(parallel.MESH_AXES))
     out = {}
     for pool_tokens in (64 * 1024, 128 * 1024):
         calls = abstract_programs(CFG, mesh, kv_cache_tokens=pool_tokens, page_size=64, max_seqs=32, max_len=4096,

@@ -66,4 +66,6 @@ def tpu_compile() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"cpu_mesh": cpu_mesh(), "tpu_compile": tpu_compile()}))
+    from muajax.planning.topology import libtpu_available
+
+    print(json.dumps({"cpu_mesh": cpu_mesh(), "tpu_compile": tpu_compile() if libtpu_available() else None}))

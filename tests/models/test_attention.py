@@ -16,6 +16,10 @@ import pytest
 
 from muajax.models import attention as attn
 from muajax.models.qwen3 import Qwen3Config, abstract_params, forward
+from muajax.planning.topology import libtpu_available
+
+NEEDS_LIBTPU = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
+                                  'pip install -e ".[tpu]"')
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 2e-5
@@ -190,6 +194,7 @@ def test_splash_under_shard_map_equals_the_reference_on_a_cpu_mesh():
         assert max(errors.values()) <= TOL, (kv_heads, errors)
 
 
+@NEEDS_LIBTPU
 def test_splash_compiles_for_tpu_with_the_pallas_kernel():
     out = _splash_checks()["tpu_compile"]
     assert out["platform"] == "tpu" and out["devices"] == 4

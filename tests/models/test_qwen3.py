@@ -264,7 +264,7 @@ def test_packed_rows_give_the_logits_of_the_rows_unpacked(small_checkpoint, impl
 
 def test_packed_rows_give_the_rl_head_the_unpacked_logprobs(small_checkpoint):
     """`sequence_logprobs(segment_ids=...)`: each segment's token logprobs are its own row's."""
-    from muajax.rl.step import sequence_logprobs
+    from muajax.rl.sequence import sequence_logprobs
 
     params, cfg = load_params(small_checkpoint)
     rng = np.random.RandomState(10)
@@ -329,7 +329,7 @@ def test_packing_rejects_a_cache_or_a_mask(small_checkpoint):
 def test_logits_fp32_runs_the_head_in_float32(tmp_path):
     """bfloat16 weights and activations: with logits_fp32 the logits (model and RL head alike)
     are the float32 dot of the same bfloat16 hidden states and head, not bfloat16 roundings."""
-    from muajax.rl.step import sequence_logprobs
+    from muajax.rl.sequence import sequence_logprobs
 
     path = make_hf_checkpoint(str(tmp_path), seed=12, dtype=torch.bfloat16)
     params, cfg = load_params(path, load_config(path, param_dtype="bfloat16", dtype="bfloat16"))

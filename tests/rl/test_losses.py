@@ -278,8 +278,8 @@ def test_microbatches_equal_full_batch(opts):
 
     summed = jax.tree.map(lambda *xs: sum(xs), *[m for _, _, m, _ in parts])
     metrics = finalize_policy_metrics(total, summed)
-    for key in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "ratio_mean", "num_tokens", "pg_loss",
-                "ppo_kl", "num_seqs"):
+    for key in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "kl", "ratio_mean", "ratio_abs_dev",
+                "num_tokens", "pg_loss", "ppo_kl", "num_seqs"):
         np.testing.assert_allclose(float(metrics[key]), float(full_metrics[key]), rtol=1e-6, atol=1e-7,
                                    err_msg=key)
 
@@ -315,6 +315,13 @@ def test_clipping_hand_built():
     per_token = [-1.28, -0.5, -1.1, -1.25, 0.8, 0.8, 0.9, 1.5, 0, 0, 0, 0]
     np.testing.assert_allclose(float(loss), np.mean(per_token), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(float(m["ratio_mean"]), np.mean(ratios), rtol=1e-6)
+    np.testing.assert_allclose(float(m["ratio_abs_dev"]), np.mean(np.abs(np.asarray(ratios) - 1)), rtol=1e-6)
+
+
+def test_ratio_deviation_counts_only_unmasked_tokens():
+    mask = np.array([[True, True, False], [False, True, False]])
+    _, m = _rows([[1.5, 0.9, 9.0], [0.1, 1.0, 0.2]], [1.0, -1.0], mask=mask)
+    np.testing.assert_allclose(float(m["ratio_abs_dev"]), (0.5 + 0.1 + 0.0) / 3, rtol=1e-6)
 
 
 def test_dual_clip_bound_hand_built():

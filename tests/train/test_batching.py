@@ -67,3 +67,37 @@ def test_padding_rows_carry_nothing_and_belong_to_no_group():
     assert [p["tokens"].shape[0] for p in parts] == [2, 2] and parts[1]["group_ids"][1] == PAD_GROUP
     with pytest.raises(ValueError, match="do not divide"):
         minibatches(padded, 3)
+
+
+def test_rollout_lengths_fall_into_a_few_buckets():
+    from muajax.train.batching import bucket_length, length_buckets
+
+    buckets = length_buckets(32768)
+    assert buckets == (512, 1024, 2048, 4096, 8192, 16384, 32768)
+    assert length_buckets(1536) == (512, 1024, 1536) and length_buckets(300) == (512,)
+    assert [bucket_length(n, buckets) for n in (1, 512, 513, 5000, 32768)] == [512, 512, 1024, 8192, 32768]
+    # every length a rollout can have maps to one of 7 shapes (multiples of 512: 64)
+    assert len({bucket_length(n, buckets) for n in range(1, 32769, 97)}) == 7
+    with pytest.raises(ValueError, match="longer than every length bucket"):
+        bucket_length(40000, buckets)
+
+
+def test_microbatches_are_whole_rows_on_every_device():
+    from muajax import parallel
+    from muajax.config.fields import ConfigError
+    from muajax.train.batching import batch_divisor, microbatch_count
+
+    class FakeMesh:  # 32 devices on fsdp
+        shape = {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}
+
+    mesh = FakeMesh()
+    assert parallel.batch_divisor(mesh) == 32
+    assert microbatch_count(256, None, mesh, "grpo.microbatch_size") == 1
+    assert microbatch_count(256, 32, mesh, "grpo.microbatch_size") == 8
+    assert microbatch_count(256, 64, mesh, "grpo.microbatch_size") == 4
+    # 256 rows padded only to the next multiple of the data-parallel size: not at all
+    assert 256 % batch_divisor(mesh, microbatch_count(256, 32, mesh, "k")) == 0
+    with pytest.raises(ConfigError, match=r"grpo.microbatch_size \(8\) must be a multiple of data\*fsdp = 32"):
+        microbatch_count(256, 8, mesh, "grpo.microbatch_size")
+    with pytest.raises(ConfigError, match=r"must divide the 256 rows"):
+        microbatch_count(256, 96, mesh, "grpo.microbatch_size")

@@ -1,5 +1,9 @@
 """The step loop: hooks see every finished step; close runs whatever happens; a checkpoint
-is only written for a finished step."""
+is only written for a finished step; compile time is counted apart from step time."""
+import time
+
+import jax
+import jax.numpy as jnp
 import pytest
 
 from muajax.train.loop import CallbackHook, CheckpointHook, Hook, NonFiniteHook, TrainingStopped, run_steps
@@ -40,7 +44,23 @@ def test_steps_run_from_start_and_hooks_see_each_one_in_order():
     steps = [(name, step) for name, step, *_ in log if step != "closed"]
     assert steps == [("a", 3), ("b", 3), ("a", 4), ("b", 4), ("a", 5), ("b", 5)]
     assert log[-2:] == [("b", "closed"), ("a", "closed")]  # last hook closes first
-    assert log[0][3] == ["time/step_s", "x"]  # the loop times each step
+    assert log[0][3] == ["time/compile_s", "time/step_s", "x"]  # the loop times each step
+
+
+def test_compile_time_is_reported_apart_from_step_time():
+    """A step that compiles reports its compile time; the same step again compiles nothing."""
+    records = []
+
+    def step(state, index):
+        time.sleep(0.05)
+        fn = jax.jit(lambda x: jnp.sin(x) * 3 + index % 2)  # a new function each step: steps 0 and 1 compile
+        return state, {"value": float(fn(jnp.ones(64)).sum()) if index < 2 else 0.0}
+
+    run_steps(None, 0, 3, step, [CallbackHook(lambda i, s, r: records.append(r))])
+    assert records[0]["time/compile_s"] > 0 and records[1]["time/compile_s"] > 0
+    assert records[2]["time/compile_s"] == 0.0
+    for r in records:  # the sleep is run time, never compile time
+        assert r["time/step_s"] >= 0.045
 
 
 def test_a_failing_step_still_closes_every_hook_and_saves_nothing_for_it():

@@ -63,8 +63,12 @@ def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path, capsys):
         "eval.max_tasks=4"])
     trainer = Trainer(cfg, domain=Domain(SayYesEnvironment(), StopUser()), tokenizer=tok)
     summary = trainer.run()
-    rewards = [json.loads(line)["reward"] for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    rewards = [r["reward"] for r in records]
     assert len(rewards) == 10
+    # the first pass is on-policy: the trainer's logprobs are the engine's (float32, to rounding)
+    assert all(r["first_pass/ratio_abs_dev"] < 1e-4 and r["first_pass/clip_frac"] == 0 for r in records), records
+    assert records[0]["time/compile_s"] > 0 and all(r["time/step_s"] > 0 for r in records)
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.25, rewards
     assert summary["heldout_success_grpo"] >= 0.75, summary
     # the report reads what the trainer wrote
@@ -109,7 +113,8 @@ def kill_at_checkpoint(args, stage: str, step: int, run_dir):
     deadline = time.time() + 600
     killed = False
     while time.time() < deadline and proc.poll() is None:
-        if any(p.is_dir() for p in run_dir.rglob(f"checkpoints/{stage}/{step}")):
+        # a fixed-depth glob: rglob would walk orbax's temporary directories while they are renamed
+        if any(p.is_dir() for p in run_dir.glob(f"*/checkpoints/{stage}/{step}")):
             os.killpg(proc.pid, signal.SIGKILL)
             killed = True
             break

@@ -1,0 +1,184 @@
+"""FLOPs, HBM bytes and collective bytes of a compiled program, every loop iteration counted.
+
+XLA's `cost_analysis()` visits every computation once, so the body of a while loop (the
+layer scan, the microbatch scan, a windowed collective matmul) counts as one iteration:
+for a 36-layer model in 8 microbatches it undercounts the step ~288x. `analyze` adds
+(multiplier - 1) x what each computation does (`hlo.multipliers`) to XLA's totals.
+
+FLOPs counted here: dot and convolution (what the TPU compiler turns dots into), 2 per
+multiply-add, valid window positions only. Bytes: each instruction outside fusions reads
+its operands and writes its result; a fusion operand only sliced inside the fusion counts
+as the slices, and an in-place dynamic-update-slice as its update. These are close to, not
+identical with, XLA's own rules; they only scale the loop bodies' share.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from muajax.planning.hlo import (
+    HloModule,
+    Instruction,
+    Loop,
+    array_sizes,
+    called,
+    dims_of,
+    multipliers,
+    parse_module,
+)
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
+               "after-all", "partition-id", "replica-id", "iota", "async-done", "call-done", "copy-done",
+               "all-gather-done", "all-reduce-done", "collective-permute-done", "reduce-scatter-done",
+               "opt-barrier", "add-dependency"}
+_SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+def _braced_ints(attrs: str, key: str) -> list[int]:
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
+    return [int(x) for x in m.group(1).split(",") if x] if m else []
+
+
+def _window_field(window: str, key: str, count: int, default: int) -> list[int]:
+    m = re.search(rf"\b{key}=([\dx_]+)", window)
+    if not m:
+        return [default] * count
+    return [int(x) for x in m.group(1).split("x")]
+
+
+def _valid_pairs(out: int, kernel: int, size: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """(output index, kernel index) pairs of one spatial dim that land on a real input element."""
+    o = np.arange(out, dtype=np.int64)
+    base = o * stride - pad_lo  # input position (in the dilated input) of kernel index 0
+    last = (size - 1) * lhs_dil
+    lo = np.maximum(np.ceil(-base / rhs_dil), 0)
+    hi = np.minimum(np.floor((last - base) / rhs_dil), kernel - 1)
+    count = np.maximum(hi - lo + 1, 0)
+    if lhs_dil > 1:  # only every lhs_dil-th position of the dilated input is real
+        count = np.ceil(count / lhs_dil)
+    return int(count.sum())
+
+
+def _conv_flops(instr: Instruction, shapes: dict[str, str]) -> float:
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
+    if not labels or len(instr.operands) < 2:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs, rhs, out = dims_of(shapes.get(instr.operands[0], "")), dims_of(shapes.get(instr.operands[1], "")), \
+        dims_of(instr.shape)
+    if not lhs or not rhs or not out:
+        return 0.0
+    spatial = sorted(c for c in out_l if c.isdigit())
+    window = re.search(r"window=\{([^}]*)\}", instr.attrs)
+    window = window.group(1) if window else ""
+    n = len(spatial)
+    strides = _window_field(window, "stride", n, 1)
+    lhs_dil, rhs_dil = _window_field(window, "lhs_dilate", n, 1), _window_field(window, "rhs_dilate", n, 1)
+    pads = re.search(r"\bpad=([\d_x\-]+)", window)
+    pad_lo = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
+    pairs = 1
+    for i, d in enumerate(spatial):
+        pairs *= _valid_pairs(out[out_l.index(d)], rhs[rhs_l.index(d)], lhs[lhs_l.index(d)], strides[i], pad_lo[i],
+                              lhs_dil[i], rhs_dil[i])
+    return 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")] * pairs
+
+
+def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
+    """Matmul FLOPs (2 per multiply-add) of a dot or convolution; 0 for anything else."""
+    if instr.opcode == "dot" and instr.operands:
+        lhs = dims_of(shapes.get(instr.operands[0], ""))
+        contracted = math.prod(lhs[i] for i in _braced_ints(instr.attrs, "lhs_contracting_dims") if i < len(lhs))
+        return 2.0 * math.prod(dims_of(instr.shape)) * contracted
+    if instr.opcode == "convolution":
+        return _conv_flops(instr, shapes)
+    return 0.0
+
+
+def _fusion_operand_bytes(module: HloModule, instr: Instruction, shapes: dict[str, str]) -> tuple[int, int]:
+    """(bytes read, bytes written) by a fusion: a parameter the fusion only slices counts as
+    its slices, an in-place dynamic-update-slice root as its update."""
+    fused = module.computations.get(dict(called(instr)).get("calls", ""))
+    read = [sum(array_sizes(shapes.get(o, ""))) for o in instr.operands]
+    written = sum(array_sizes(instr.shape))
+    if fused is None:
+        return sum(read), written
+    users: dict[str, list[Instruction]] = {}
+    params: dict[int, str] = {}
+    for inner in fused.instructions.values():
+        if inner.opcode == "parameter":
+            params[int(inner.args.strip() or 0)] = inner.name
+        for operand in inner.operands:
+            users.setdefault(operand, []).append(inner)
+    for k, pname in params.items():
+        uses = users.get(pname, [])
+        if k < len(read) and uses and all(u.opcode in _SLICES and u.operands[0] == pname for u in uses):
+            read[k] = sum(sum(array_sizes(u.shape)) for u in uses)
+    root = fused.root
+    if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+        written = sum(array_sizes(fused.instructions[root.operands[1]].shape)) \
+            if root.operands[1] in fused.instructions else written
+    return sum(read), written
+
+
+def instruction_bytes(module: HloModule, instr: Instruction, shapes: dict[str, str]) -> int:
+    """HBM bytes one instruction outside a fusion reads and writes."""
+    if instr.opcode in _NO_TRAFFIC:
+        return 0
+    if instr.opcode == "fusion":
+        return sum(_fusion_operand_bytes(module, instr, shapes))
+    read = sum(sum(array_sizes(shapes.get(o, ""))) for o in instr.operands)
+    return read + sum(array_sizes(instr.shape))
+
+
+def collective_kind(opcode: str) -> str | None:
+    base = opcode.removesuffix("-start")
+    return base if base in COLLECTIVES else None
+
+
+def collective_bytes_of(instr: Instruction, shapes: dict[str, str]) -> int:
+    """The size of the whole array a collective moves, per device: the gathered result of an
+    all-gather, the scattered input of a reduce-scatter, the buffer of the others. An async
+    `-start` returns (operand, result, ...) together, so the largest array covers every kind."""
+    sizes = array_sizes(instr.shape) + [s for o in instr.operands for s in array_sizes(shapes.get(o, ""))]
+    return max(sizes, default=0)
+
+
+@dataclasses.dataclass
+class HloSummary:
+    collective_bytes: dict[str, float]    # per kind, per program call, loops counted
+    collective_counts: dict[str, float]
+    loops: list[Loop]
+    extra_flops: float                    # to add to XLA's flops (loop bodies beyond their first run)
+    extra_bytes: float                    # to add to XLA's bytes accessed
+    matmul_flops: float                   # every dot/convolution, loops counted (a cross-check)
+
+    @property
+    def unknown_loops(self) -> list[Loop]:
+        return [loop for loop in self.loops if loop.trips is None]
+
+
+def analyze(text: str, unknown_trips: int = 1) -> HloSummary:
+    """Collectives and loop corrections of one compiled program's HLO text."""
+    module = parse_module(text)
+    mult, loops, fused = multipliers(module, unknown_trips)
+    coll = {k: 0.0 for k in COLLECTIVES}
+    counts = {k: 0.0 for k in COLLECTIVES}
+    extra_flops = extra_bytes = matmul = 0.0
+    for name, times in mult.items():
+        comp = module.computations[name]
+        shapes = {i.name: i.shape for i in comp.instructions.values()}
+        flops = sum(instruction_flops(i, shapes) for i in comp.instructions.values())
+        matmul += times * flops
+        extra_flops += (times - 1) * flops
+        if name not in fused:
+            extra_bytes += (times - 1) * sum(instruction_bytes(module, i, shapes) for i in comp.instructions.values())
+        for instr in comp.instructions.values():
+            kind = collective_kind(instr.opcode)
+            if kind:
+                coll[kind] += times * collective_bytes_of(instr, shapes)
+                counts[kind] += times
+    return HloSummary(coll, counts, loops, extra_flops, extra_bytes, matmul)

@@ -1,0 +1,187 @@
+"""Plan one run: compile its programs for a topology and sum what each phase keeps resident.
+
+`plan_run(cfg, devices=..., mesh=..., settings=...)` builds the programs the trainer and the
+engine run (`programs.py`), compiles them for the devices (TPU devices from libtpu's
+topologies, or CPU devices), and returns a `Plan`: its phases part by part, the peak per
+device, `fits` against the chip, and each program's costs and roofline.
+
+`PlanSettings` carries the trainer's own settings objects (GRPOConfig, SFTConfig), so a plan
+from a run config (`from_train_config`) and one from command-line flags go through the same
+code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from muajax import parallel
+from muajax.config.schema import SFTConfig, TrainConfig
+from muajax.models.qwen3 import Qwen3Config
+from muajax.planning.chips import Chip
+from muajax.planning.compile import ProgramCost, compile_program
+from muajax.planning.flops import train_step_flops
+from muajax.planning.phases import Phase, rollout_phase, update_phase
+from muajax.planning.programs import EngineSettings, engine_programs, grpo_program, padded_batch, sft_program
+from muajax.planning.roofline import roofline
+from muajax.rl.grpo import GRPOConfig
+
+PHASES = ("rollout", "update", "sft")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    batch: int = 256                 # rollouts per GRPO step (n_per_task * tasks_per_step)
+    num_groups: int = 32             # tasks per step: the GRPO step's bound on group ids
+    seq: int = 32768                 # the update's padded length (rollout.max_context at most)
+    temperature: float = 1.0         # the rollout's
+    grpo: GRPOConfig = GRPOConfig()
+    sft: SFTConfig = SFTConfig()
+    sft_seq: int | None = None       # the SFT step's padded length (None: sft.max_len)
+    shared_prefix: int = 0           # tokens every row starts with, computed once
+    engine: EngineSettings | None = None  # None: batch slots of seq tokens
+    keep_kv_during_update: bool = True    # the trainer keeps its engine (and pool) for the whole run
+    phases: tuple[str, ...] = ("rollout", "update")
+    exact_oom: bool = False          # compile programs that cannot fit to the end (slow; compile.py)
+
+    def __post_init__(self):
+        bad = sorted(set(self.phases) - set(PHASES))
+        if bad or not self.phases:
+            raise ValueError(f"phases {list(self.phases)}: choose from {list(PHASES)}")
+        for name in ("batch", "seq", "num_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_seq is not None and self.sft_seq < 1:
+            raise ValueError(f"sft_seq must be >= 1 or unset, got {self.sft_seq}")
+
+    @property
+    def update_rows(self) -> int:
+        """Rows of one optimizer update: a mini-batch, or the whole rollout batch."""
+        return self.grpo.minibatch_size or self.batch
+
+    @property
+    def microbatches(self) -> int:
+        """As `run_grpo` splits an update: update_rows // microbatch_size (then pads)."""
+        mb = self.grpo.microbatch_size
+        return max(self.update_rows // mb, 1) if mb else 1
+
+    @property
+    def engine_settings(self) -> EngineSettings:
+        return self.engine or EngineSettings(num_slots=self.batch, max_len=self.seq)
+
+
+def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None, **overrides) -> PlanSettings:
+    """What the trainer runs for `cfg`: its GRPO batch at rollout.max_context (the longest a
+    collated batch gets), its SFT step at sft.max_len, its engine's slots and context."""
+    r = cfg.rollout
+    batch = r.n_per_task * r.tasks_per_step
+    if phases is None:
+        phases = tuple(p for p, stage in (("rollout", "grpo"), ("update", "grpo"), ("sft", "sft"))
+                       if stage in cfg.run.stages)
+    # RunContext.engine_slots also counts the evaluation's conversations (trials x eval
+    # tasks), which needs the domain's task list: the plan covers the GRPO step's.
+    engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context)
+    values = dict(batch=batch, num_groups=r.tasks_per_step, seq=r.max_context, temperature=r.temperature,
+                  grpo=cfg.grpo, sft=cfg.sft, engine=engine, phases=phases)
+    return PlanSettings(**{**values, **overrides})
+
+
+@dataclasses.dataclass
+class Plan:
+    label: str
+    cfg: Qwen3Config
+    topology: str
+    mesh: dict[str, int]
+    chip: Chip | None
+    hbm_bytes: int | None
+    settings: PlanSettings
+    phases: list[Phase]
+    programs: list[ProgramCost]
+    rows: dict[str, dict]            # per step kind: batch, microbatches, padded rows
+    model_flops: dict[str, float]    # per device per step, analytic (MFU's numerator)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def compiler(self) -> str:
+        return self.programs[0].compiler
+
+    @property
+    def per_device_bytes(self) -> int:
+        return max(p.total for p in self.phases)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.hbm_bytes is None:
+            return None
+        return self.per_device_bytes <= self.hbm_bytes and all(p.error is None for p in self.programs)
+
+    def rooflines(self) -> dict[str, dict]:
+        return {} if self.chip is None else {p.name: roofline(p, self.chip) for p in self.programs if p.error is None}
+
+    def to_json(self) -> dict:
+        lines, s = self.rooflines(), self.settings
+        settings = {"batch": s.batch, "num_groups": s.num_groups, "seq": s.seq, "temperature": s.temperature,
+                    "kl_coef": s.grpo.kl_coef, "logits_chunk": s.grpo.logits_chunk,
+                    "microbatch_size": s.grpo.microbatch_size, "minibatch_size": s.grpo.minibatch_size,
+                    "shared_prefix": s.shared_prefix, "keep_kv_during_update": s.keep_kv_during_update,
+                    "engine": dataclasses.asdict(s.engine_settings), "phases": list(s.phases)}
+        if "sft" in s.phases:
+            settings["sft"] = {"batch_size": s.sft.batch_size, "microbatch_size": s.sft.microbatch_size,
+                               "seq": s.sft_seq or s.sft.max_len}
+        return {"model": self.label, "params": self.cfg.num_params(), "topology": self.topology,
+                "chip": self.chip.name if self.chip else None, "compiler": self.compiler, "devices": self.devices,
+                "mesh": self.mesh, "remat": self.cfg.remat, "param_dtype": self.cfg.param_dtype,
+                "dtype": self.cfg.dtype, "attention": self.cfg.attention, "settings": settings, "rows": self.rows,
+                "per_device_bytes": self.per_device_bytes, "hbm_bytes": self.hbm_bytes, "fits": self.fits,
+                "phases": [p.to_json() for p in self.phases],
+                "programs": {p.name: {**p.to_json(), "roofline": lines.get(p.name)} for p in self.programs},
+                "model_flops_per_device": self.model_flops}
+
+
+def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings: PlanSettings, label: str = "",
+             topology: str = "", chip: Chip | None = None, hbm_bytes: int | None = None,
+             log: Callable[[str], None] = lambda _: None) -> Plan:
+    """Compile the run's programs on `devices` laid out as `mesh` and sum its phases."""
+    device_mesh = parallel.make_mesh(**mesh, devices=devices)
+    platform = devices[0].platform
+    s, n = settings, device_mesh.size
+    compiled: list[ProgramCost] = []
+    phases: list[Phase] = []
+    rows: dict[str, dict] = {}
+    flops: dict[str, float] = {}
+
+    def build(program) -> ProgramCost:
+        log(f"compiling {program.name} ...")
+        cost = compile_program(program, platform=platform, exact_oom=s.exact_oom)
+        log(f"  {program.name}: lowered in {cost.lower_s:.1f} s, compiled in {cost.compile_s:.1f} s"
+            + (f"; {cost.error}" if cost.error else ""))
+        compiled.append(cost)
+        return cost
+
+    if "rollout" in s.phases or "update" in s.phases:
+        k = s.microbatches
+        step, state = grpo_program(cfg, device_mesh, s.grpo, rows=s.update_rows, seq=s.seq, microbatches=k,
+                                   num_groups=s.num_groups, temperature=s.temperature, shared_prefix=s.shared_prefix)
+        train = dict(step.resident_args)
+        rows["grpo"] = {"batch": s.update_rows, "microbatches": k,
+                        "padded": padded_batch(s.update_rows, k, device_mesh)}
+        flops["grpo"] = train_step_flops(cfg, s.update_rows, s.seq, reference=s.grpo.uses_reference) / n
+        engine_state: dict[str, int] = {}
+        if "rollout" in s.phases or s.keep_kv_during_update:
+            programs, engine_state = engine_programs(cfg, device_mesh, state.params, s.engine_settings)
+            if "rollout" in s.phases:
+                phases.append(rollout_phase(train, engine_state, [build(p) for p in programs]))
+        if "update" in s.phases:
+            phases.append(update_phase(train, engine_state, build(step), keep_engine_state=s.keep_kv_during_update))
+    if "sft" in s.phases:
+        seq = s.sft_seq or s.sft.max_len
+        sft, _ = sft_program(cfg, device_mesh, s.sft, seq=seq, shared_prefix=s.shared_prefix)
+        k_sft = s.sft.batch_size // s.sft.microbatch_size if s.sft.microbatch_size else 1
+        rows["sft"] = {"batch": s.sft.batch_size, "microbatches": k_sft,
+                       "padded": padded_batch(s.sft.batch_size, k_sft, device_mesh)}
+        flops["sft"] = train_step_flops(cfg, s.sft.batch_size, seq) / n
+        phases.append(update_phase(dict(sft.resident_args), {}, build(sft), keep_engine_state=False, name="sft"))
+    return Plan(label, cfg, topology, dict(mesh), chip, hbm_bytes, settings, phases, compiled, rows, flops)

@@ -1,0 +1,131 @@
+"""The programs a run compiles, built by the code the trainer and the engine use, from
+abstract sharded arguments (nothing is allocated).
+
+- `grpo_program`: `muajax.rl.grpo.make_grpo_step` called as `muajax.train.grpo.run_grpo`
+  calls it (its GRPOConfig, num_groups = tasks per step, the rollout temperature, the
+  microbatches the config's microbatch_size gives), on the rows the trainer pads a batch
+  to, with the reference model as the trainer keeps it: a copy of the params in their own
+  dtype (float32 master weights when param_dtype is float32).
+- `sft_program`: `muajax.rl.sft.make_sft_step` as `muajax.train.sft.run_sft` calls it.
+- `engine_programs`: `muajax.engine.programs.abstract_programs`, the engine's own decode and
+  extend programs (the Pallas paged attention on a TPU mesh), reading the train state's
+  params in place as the trainer's engine does, with the engine's page pool as its state.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from muajax import parallel
+from muajax.engine import kv_cache
+from muajax.engine.programs import abstract_programs, build_spec
+from muajax.models.qwen3 import Qwen3Config
+from muajax.planning.compile import AbstractProgram
+from muajax.rl.grpo import GRPOConfig, make_grpo_step
+from muajax.rl.optim import optimizer_from_config
+from muajax.rl.sft import make_sft_step
+from muajax.rl.step import model_abstract_params
+
+DECODE_CHUNK = 16  # muajax.train.roles.DECODE_CHUNK: the trainer's (train sits above planning's inputs)
+EXTEND_WIDTHS = (32, 128, 512, 2048)  # the Engine's default extend_widths
+MAX_EXTEND_TOKENS = 8192  # the Engine's default
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (its largest shard)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def padded_batch(batch: int, microbatches: int, mesh: Mesh) -> int:
+    """Rows after the trainer's padding: a multiple of data*fsdp*microbatches
+    (`muajax.train.batching.pad_to_multiple` with `batch_divisor`)."""
+    divisor = parallel.batch_divisor(mesh) * microbatches
+    return -(-batch // divisor) * divisor
+
+
+def _batch(mesh: Mesh, fields: dict) -> dict:
+    return {n: jax.ShapeDtypeStruct(s, d, sharding=parallel.batch_sharding(mesh, len(s))) for n, (s, d) in fields.items()}
+
+
+def state_parts(state) -> dict[str, int]:
+    return {"params": shard_bytes(state.params), "optimizer state": shard_bytes(state.opt_state),
+            "step counters": shard_bytes((state.step, state.skipped))}
+
+
+def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, *, rows: int, seq: int, microbatches: int,
+                 num_groups: int, temperature: float = 1.0, shared_prefix: int = 0):
+    """(program, abstract train state) of one GRPO update over `rows` rows (one update's:
+    the batch, or a mini-batch) padded as the trainer pads them."""
+    step = make_grpo_step(cfg, optimizer_from_config(grpo, total_steps=1000), mesh, grpo=grpo,
+                          temperature=max(temperature, 1e-6), num_groups=num_groups, shared_prefix=shared_prefix,
+                          microbatches=microbatches)
+    state = step.abstract_state(model_abstract_params(cfg))
+    padded = padded_batch(rows, microbatches, mesh)
+    data = _batch(mesh, {"tokens": ((padded, seq), jnp.int32), "loss_mask": ((padded, seq), jnp.int32),
+                         "old_logprobs": ((padded, seq), jnp.float32), "rewards": ((padded,), jnp.float32),
+                         "group_ids": ((padded,), jnp.int32)})
+    resident = state_parts(state)
+    args = (state, data)
+    if grpo.uses_reference:  # run_grpo: jax.device_put(params, step_fn.param_shardings), the params' dtype
+        reference = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state.params,
+                                 step.param_shardings)
+        resident["reference"] = shard_bytes(reference)
+        args = (state, data, reference)
+    return AbstractProgram("grpo step", lambda: step.lower(*args), resident, input_bytes=shard_bytes(data)), state
+
+
+def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, shared_prefix: int = 0):
+    """(program, abstract train state) of one SFT update; `sft` is the config's SFTConfig."""
+    k = sft.batch_size // sft.microbatch_size if sft.microbatch_size else 1
+    step = make_sft_step(cfg, optimizer_from_config(sft, total_steps=1000), mesh, microbatches=k,
+                         shared_prefix=shared_prefix)
+    state = step.abstract_state(model_abstract_params(cfg))
+    rows = padded_batch(sft.batch_size, k, mesh)
+    data = _batch(mesh, {"tokens": ((rows, seq), jnp.int32), "loss_mask": ((rows, seq), jnp.int32)})
+    if sft.context_weight:  # sft_batch adds the context weights when the config asks for them
+        data.update(_batch(mesh, {"context_mask": ((rows, seq), jnp.float32)}))
+    return AbstractProgram("sft step", lambda: step.lower(state, data), state_parts(state),
+                           input_bytes=shard_bytes(data)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """The engine the trainer builds (`RunContext.engine` -> `make_rollout_engine`)."""
+
+    num_slots: int
+    max_len: int
+    kv_cache_tokens: int | None = None  # None: the Engine's default, max(num_slots, shards) * max_len
+    page_size: int | None = None
+    decode_chunk: int = DECODE_CHUNK
+    widths: tuple[int, ...] = EXTEND_WIDTHS
+    max_extend_tokens: int = MAX_EXTEND_TOKENS
+    attention: str = "auto"
+
+
+def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings) -> tuple[list[AbstractProgram],
+                                                                                            dict[str, int]]:
+    """The engine's decode and extend programs as AbstractPrograms, and the bytes per device
+    of its resident state (the page pool). `params`: the train state's abstract params."""
+    spec = build_spec(cfg, mesh, num_slots=engine.num_slots, max_len=engine.max_len,
+                      kv_cache_tokens=engine.kv_cache_tokens, page_size=engine.page_size,
+                      decode_chunk=engine.decode_chunk, attention=engine.attention)
+    pool = shard_bytes(kv_cache.abstract_pool(spec.pool))
+    state = {f"KV pool ({spec.pool.tokens} tokens, pages of {spec.pool.page_size}, {spec.attention})": pool}
+    calls = abstract_programs(cfg, mesh, kv_cache_tokens=spec.pool.tokens, page_size=spec.pool.page_size,
+                              max_seqs=engine.num_slots, max_len=engine.max_len, widths=engine.widths,
+                              decode_chunk=engine.decode_chunk, max_extend_tokens=engine.max_extend_tokens,
+                              attention=engine.attention, params=params)
+    resident = {"params (the train state's)": shard_bytes(params), **state}
+    # the decode's while_loop runs up to decode_chunk steps: its trip count is not in the HLO
+    programs = [AbstractProgram(f"engine {call.name}", call.lower, resident,
+                                engine.decode_chunk if call.name == "decode" else 1,
+                                shard_bytes(call.args) - sum(resident.values())) for call in calls]
+    return programs, state

@@ -1,0 +1,83 @@
+"""Text tables of a Plan: one per phase, part by part, and one of the programs' costs."""
+from __future__ import annotations
+
+from muajax.planning.compile import COLLECTIVE_SHORT
+from muajax.planning.planner import Plan
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def header(plan: Plan) -> str:
+    cfg, s = plan.cfg, plan.settings
+    chip = plan.chip.name if plan.chip else "no chip"
+    hbm = f"{fmt_bytes(plan.hbm_bytes)} usable per device" if plan.hbm_bytes else "no HBM limit given"
+    mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    lines = [f"model {plan.label}: {cfg.num_params() / 1e9:.2f}B params, {cfg.num_layers} layers, params "
+             f"{cfg.param_dtype}, compute {cfg.dtype}, remat {cfg.remat}, attention {cfg.attention}",
+             f"topology {plan.topology}: {plan.devices} devices ({chip}, {hbm}), mesh {mesh}, compiler {plan.compiler}"]
+    for kind, seq in (("grpo", s.seq), ("sft", s.sft_seq or s.sft.max_len)):
+        if kind in plan.rows:
+            r = plan.rows[kind]
+            pad = f", padded to {r['padded']}" if r["padded"] != r["batch"] else ""
+            lines.append(f"{kind.upper()} update: {r['batch']} rows x {seq} tokens in {r['microbatches']} "
+                         f"microbatch(es){pad}" + (f"; kl_coef {s.grpo.kl_coef}" if kind == "grpo" else ""))
+    if "rollout" in s.phases or "update" in s.phases:
+        e = s.engine_settings
+        lines.append(f"engine: {e.num_slots} slots x {e.max_len} tokens, decode chunk {e.decode_chunk}, "
+                     f"extend widths {list(e.widths)}, attention {e.attention}")
+    return "\n".join(lines)
+
+
+def phase_table(plan: Plan) -> str:
+    lines = []
+    for phase in plan.phases:
+        lines.append(f"phase {phase.name} (program: {phase.program})")
+        for part in phase.parts:
+            note = f"  ({part.note})" if part.note else ""
+            lines.append(f"  {part.name:<44}{fmt_bytes(part.bytes):>14}{note}")
+        bound = ">= " if phase.lower_bound else ""
+        verdict = ""
+        if plan.hbm_bytes:
+            ok = phase.total <= plan.hbm_bytes and not phase.lower_bound
+            verdict = f"  of {fmt_bytes(plan.hbm_bytes)} -> {'fits' if ok else 'DOES NOT FIT'}"
+        lines.append(f"  {'TOTAL per device':<44}{bound + fmt_bytes(phase.total):>14}{verdict}")
+    return "\n".join(lines)
+
+
+def programs_table(plan: Plan) -> str:
+    lines = [f"{'program':<24}{'compile':>9}{'temps':>12}{'TFLOP':>10}{'HBM GB':>10}"
+             + "".join(f"{short:>9}" for short in COLLECTIVE_SHORT.values()) + f"{'estimate':>12}  bound"]
+    rooflines = plan.rooflines()
+    for p in plan.programs:
+        if p.error:
+            lines.append(f"{p.name:<24}{p.compile_s:>8.1f}s  out of memory: {p.error}")
+            continue
+        line = rooflines.get(p.name)
+        coll = "".join(f"{p.collectives.get(kind, 0) / 1e9:>8.2f}G" for kind in COLLECTIVE_SHORT)
+        est = f"{fmt_seconds(line['estimate_s']):>12}  {line['bound']}" if line else f"{'-':>12}"
+        lines.append(f"{p.name:<24}{p.compile_s:>8.1f}s{fmt_bytes(p.memory['temporaries']):>12}{p.flops / 1e12:>10.2f}"
+                     f"{p.bytes_accessed / 1e9:>10.2f}{coll}{est}")
+    lines.append("per device and call; FLOPs and bytes count every loop iteration; collective bytes are the "
+                 "arrays moved (AG all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all, CP permute)")
+    return "\n".join(lines)
+
+
+def verdict_line(plan: Plan) -> str:
+    if plan.fits is None:
+        return f"peak per device {fmt_bytes(plan.per_device_bytes)} (no HBM limit: pass --chip or --hbm to judge)"
+    word = "fits: true" if plan.fits else "fits: false"
+    return f"{word}: peak per device {fmt_bytes(plan.per_device_bytes)} of {fmt_bytes(plan.hbm_bytes)}"
+
+
+def render(plan: Plan) -> str:
+    return "\n".join([header(plan), "", phase_table(plan), "", programs_table(plan), "", verdict_line(plan)])

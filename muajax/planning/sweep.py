@@ -1,0 +1,225 @@
+"""Sweep meshes x remat policies for one model, batch, sequence length and topology, and
+rank them by the GRPO update's estimated step time.
+
+Every factorization of the device count over `parallel.MESH_AXES` (so an axis added there
+is swept too) is tried with every remat policy. Before compiling, an analytic lower bound
+prunes what cannot fit: the resident state (train state, reference, KV cache), exact from
+the shardings, plus what the update's backward pass cannot avoid holding at once — every
+layer's input, which the layer scan saves for the backward (compute dtype [rows, T, D]
+per layer and device), and the larger of one layer's attention scores (float32 [rows,
+heads, T, T]; every layer's when the remat policy saves them: "none" and "dots", whose
+saved dots include the scores) and one microbatch's LM-head logits (compute dtype
+[rows x T, vocab]). Rows are one microbatch's rows per device. The scores term holds for
+the einsum attention (`cfg.attention == "xla"`); the others (splash on TPU, chunked,
+cuDNN) never hold the [T, T] scores, so it is dropped for them. The rest are compiled with the TPU compiler's early
+out-of-memory exit. Only the update program is compiled (with the KV cache resident if it
+is kept); plan the chosen mesh with `--mesh` to compile the engine's programs too.
+
+With `settings.grpo.microbatch_size` unset, each mesh gets one row per batch-sharded device per
+microbatch (the smallest microbatch it can run without padding).
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from matplotlib.figure import Figure
+
+from muajax import parallel
+from muajax.models.qwen3 import Qwen3Config
+from muajax.planning.chips import Chip
+from muajax.planning.compile import COLLECTIVE_SHORT
+from muajax.planning.planner import PlanSettings, plan_run
+from muajax.planning.programs import engine_programs, grpo_program, padded_batch
+from muajax.planning.report import fmt_bytes, fmt_seconds
+
+
+def mesh_candidates(num_devices: int, axes: tuple[str, ...] = parallel.MESH_AXES) -> list[dict[str, int]]:
+    """Every assignment of sizes to `axes` whose product is num_devices."""
+    divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+    return [dict(zip(axes, sizes)) for sizes in itertools.product(divisors, repeat=len(axes))
+            if math.prod(sizes) == num_devices]
+
+
+def _per_device(size: int, mesh: dict[str, int], axes: tuple[str, ...]) -> float:
+    ways = math.prod(mesh[a] for a in axes)
+    return size / ways if size % ways == 0 else size
+
+
+def lower_bound(cfg: Qwen3Config, mesh: dict[str, int], devices: list, settings: PlanSettings) -> dict[str, int]:
+    """Bytes per device the update phase needs at least, by part (see the module docstring)."""
+    device_mesh = parallel.make_mesh(**mesh, devices=devices)
+    k = settings.microbatches
+    step, state = grpo_program(cfg, device_mesh, settings.grpo, rows=settings.update_rows, seq=settings.seq,
+                               microbatches=k, num_groups=settings.num_groups, temperature=settings.temperature,
+                               shared_prefix=settings.shared_prefix)
+    parts = dict(step.resident_args)
+    if settings.keep_kv_during_update:
+        _, engine_state = engine_programs(cfg, device_mesh, state.params, settings.engine_settings)
+        parts.update({f"engine {n}": b for n, b in engine_state.items()})
+    rows = padded_batch(settings.update_rows, k, device_mesh) // k / parallel.batch_divisor(device_mesh)
+    t = settings.seq
+    logits = rows * t * _per_device(cfg.vocab_size, mesh, ("tensor",)) * np.dtype(cfg.compute_dtype).itemsize
+    parts["saved layer inputs"] = int(cfg.num_layers * rows * t * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize)
+    transient = {"LM-head logits": int(logits)}
+    if cfg.attention == "xla":
+        layers = cfg.num_layers if cfg.remat in ("none", "dots") else 1
+        heads = _per_device(cfg.num_heads, mesh, ("tensor",))
+        transient["attention scores"] = int(layers * rows * heads * t * t * 4)
+    worst = max(transient, key=transient.get)
+    parts[worst] = transient[worst]
+    return parts
+
+
+@dataclasses.dataclass
+class SweepRow:
+    mesh: dict[str, int]
+    remat: str
+    microbatches: int
+    status: str                   # "fits", "too big", "pruned" (by the lower bound), "no mesh" (cannot be laid out)
+    per_device_bytes: int
+    lower_bound: bool = False     # per_device_bytes is a floor: pruned, or the compiler gave up
+    roofline: dict | None = None
+    costs: dict | None = None
+    compile_s: float = 0.0
+    note: str = ""
+
+    def flat(self) -> dict:
+        line = self.roofline or {}
+        costs = self.costs or {}
+        coll = costs.get("collective_bytes", {})
+        return {**self.mesh, "remat": self.remat, "microbatches": self.microbatches, "status": self.status,
+                "per_device_bytes": self.per_device_bytes, "lower_bound": self.lower_bound,
+                "estimate_s": line.get("estimate_s"),
+                "serial_s": line.get("serial_s"), "compute_s": line.get("compute_s"),
+                "memory_s": line.get("memory_s"), "collective_s": line.get("collective_s"),
+                "bound": line.get("bound"), "flops": costs.get("flops"), "bytes_accessed": costs.get("bytes_accessed"),
+                **{short: coll.get(kind) for kind, short in COLLECTIVE_SHORT.items()},
+                "compile_s": round(self.compile_s, 2), "note": self.note}
+
+
+def _label(row: SweepRow) -> str:
+    return " ".join(f"{a[0]}{n}" for a, n in row.mesh.items()) + f" {row.remat}"
+
+
+def _rank(rows: list[SweepRow]) -> list[SweepRow]:
+    order = {"fits": 0, "too big": 1, "pruned": 2, "no mesh": 3}
+    return sorted(rows, key=lambda r: (order[r.status], (r.roofline or {}).get("estimate_s", math.inf),
+                                       r.per_device_bytes))
+
+
+def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm) -> SweepRow:
+    settings = dataclasses.replace(settings, phases=("update",), exact_oom=False)
+    k = settings.microbatches
+    try:  # as the trainer builds it: jax.make_mesh maps each axis onto whole physical torus axes
+        parallel.make_mesh(**mesh, devices=devices)
+    except (NotImplementedError, ValueError) as error:
+        return SweepRow(mesh, cfg.remat, k, "no mesh", 0, note=str(error).split(". ")[0][:200])
+    bound = lower_bound(cfg, mesh, devices, settings)
+    if hbm and sum(bound.values()) > hbm:
+        why = ", ".join(f"{n} {fmt_bytes(b)}" for n, b in bound.items())
+        return SweepRow(mesh, cfg.remat, k, "pruned", sum(bound.values()), True, note=f"lower bound: {why}")
+    start = time.perf_counter()
+    plan = plan_run(cfg, devices=devices, mesh=mesh, settings=settings, label=label, topology=topology, chip=chip,
+                    hbm_bytes=hbm)
+    step = plan.programs[0]
+    status = "too big" if step.error or plan.fits is False else "fits"
+    row = SweepRow(mesh, cfg.remat, k, status, plan.per_device_bytes, step.error is not None,
+                   plan.rooflines().get(step.name), step.to_json(), time.perf_counter() - start, step.error or "")
+    jax.clear_caches()  # each configuration compiles once: jax's caches would only grow (5.6 GB over 10 compiles)
+    return row
+
+
+def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSettings, remats: tuple[str, ...],
+              topology: str, chip: Chip | None, hbm_bytes: int | None, out_dir: str,
+              meshes: list[dict[str, int]] | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Plan every mesh (default: `mesh_candidates`) x remat policy; write sweep.csv, sweep.json
+    and sweep.png into out_dir."""
+    rows, start = [], time.perf_counter()
+    candidates = meshes or mesh_candidates(len(devices))
+    log(f"sweep: {len(candidates)} meshes x {len(remats)} remat policies for {label} on {topology}")
+    for mesh in candidates:
+        for remat in remats:
+            run_settings = settings
+            if settings.grpo.microbatch_size is None:  # one row per batch-sharded device per microbatch
+                per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
+                run_settings = dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo,
+                                                                                      microbatch_size=per))
+            row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip, hbm_bytes)
+            rows.append(row)
+            log(f"  {_label(row):<24} {row.status:<8} {fmt_bytes(row.per_device_bytes):>12}"
+                + (f"  {fmt_seconds(row.roofline['estimate_s'])}" if row.roofline else "")
+                + (f"  compiled in {row.compile_s:.0f} s" if row.compile_s else ""))
+    ranked = _rank(rows)
+    log("\n" + table(ranked, hbm_bytes))
+    os.makedirs(out_dir, exist_ok=True)
+    paths = write_outputs(ranked, out_dir, label, topology, hbm_bytes)
+    count = {status: sum(r.status == status for r in rows) for status in ("fits", "too big", "pruned", "no mesh")}
+    pruned = count["pruned"]
+    summary = {"model": label, "topology": topology, "devices": len(devices), "hbm_bytes": hbm_bytes,
+               "compiler": devices[0].platform, "configs": len(rows), "pruned": pruned, "no_mesh": count["no mesh"],
+               "compiled": count["fits"] + count["too big"], "fitting": count["fits"],
+               "best": ranked[0].flat() if ranked and ranked[0].status == "fits" else None,
+               "wall_s": round(time.perf_counter() - start, 1), **paths}
+    log(f"{pruned} of {len(rows)} configurations pruned by the analytic lower bound before compiling, "
+        f"{count['no mesh']} meshes jax.make_mesh cannot lay on the slice; {summary['compiled']} compiled in "
+        f"{summary['wall_s']:.0f} s. Rollout programs are not compiled in a sweep: plan the chosen mesh with --mesh.")
+    return {"summary": summary, "rows": [r.flat() for r in ranked]}
+
+
+def table(rows: list[SweepRow], hbm_bytes: int | None) -> str:
+    lines = [f"{'mesh / remat':<26}{'status':<9}{'per device':>13}{'estimate':>12}{'serial':>12}  bound"]
+    for r in rows:
+        line = r.roofline or {}
+        est = fmt_seconds(line["estimate_s"]) if line else "-"
+        serial = fmt_seconds(line["serial_s"]) if line else "-"
+        prefix = ">= " if r.lower_bound else ""
+        lines.append(f"{_label(r):<26}{r.status:<9}{prefix + fmt_bytes(r.per_device_bytes):>13}{est:>12}{serial:>12}"
+                     f"  {line.get('bound', '')}")
+    if hbm_bytes:
+        lines.append(f"usable HBM per device {fmt_bytes(hbm_bytes)}")
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[SweepRow], out_dir: str, label: str, topology: str, hbm_bytes: int | None) -> dict:
+    flat = [r.flat() for r in rows]
+    csv_path, json_path, png_path = (os.path.join(out_dir, f"sweep.{ext}") for ext in ("csv", "json", "png"))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+        writer.writeheader()
+        writer.writerows(flat)
+    with open(json_path, "w") as f:
+        json.dump({"model": label, "topology": topology, "hbm_bytes": hbm_bytes, "rows": flat}, f, indent=1)
+    chart(rows, png_path, f"{label} on {topology}: GRPO update", hbm_bytes)
+    return {"csv": csv_path, "json": json_path, "png": png_path}
+
+
+def chart(rows: list[SweepRow], path: str, title: str, hbm_bytes: int | None) -> None:
+    """Two panels per configuration: estimated step time and memory per device. A bare Figure
+    saves through the Agg canvas: no pyplot, no display needed."""
+    shown = [r for r in rows if r.status in ("fits", "too big")] or rows
+    labels = [_label(r) for r in shown]
+    colors = ["tab:green" if r.status == "fits" else "tab:red" for r in shown]
+    fig = Figure(figsize=(13, 0.35 * len(shown) + 1.8))
+    left, right = fig.subplots(1, 2, sharey=True)
+    y = range(len(shown))
+    left.barh(y, [(r.roofline or {}).get("estimate_s", 0.0) for r in shown], color=colors)
+    left.set_xlabel("estimated step time, s (roofline: slowest of compute, HBM, collectives)")
+    right.barh(y, [r.per_device_bytes / 2**30 for r in shown], color=colors)
+    if hbm_bytes:
+        right.axvline(hbm_bytes / 2**30, color="black", linestyle="--", label="usable HBM")
+        right.legend(loc="lower right")
+    right.set_xlabel("memory per device, GiB (red: does not fit; those the compiler gave up on: at least this)")
+    left.set_yticks(list(y), labels)
+    left.invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,32 @@
+import pytest
+
+from muajax.models.qwen3 import Qwen3Config
+from muajax.planning.flops import (
+    attention_pairs,
+    forward_flops,
+    matmul_params,
+    train_step_flops,
+)
+
+CFG = Qwen3Config(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=4)
+
+
+def test_attention_pairs():
+    assert attention_pairs(4) == 4 + 3 + 2 + 1            # causal: each query sees itself and the keys before
+    assert attention_pairs(4, causal=False) == 16
+    assert attention_pairs(1, keys=10) == 10              # one decode step over 9 cached keys and itself
+    assert attention_pairs(2, keys=10) == 2 * 8 + 1 + 2
+
+
+def test_forward_flops_by_hand():
+    d, f, n, k, h, v, layers = 8, 16, 4, 2, 4, 100, 2
+    weights = layers * (d * h * (2 * n + 2 * k) + 3 * d * f) + d * v   # untied head is a matmul, the embedding not
+    assert matmul_params(CFG) == weights
+    tied = Qwen3Config(**{**CFG.__dict__, "tie_word_embeddings": True})
+    assert matmul_params(tied) == weights  # the tied head is the embedding table, used once as a matmul
+    t, b = 6, 3
+    attn = 4 * layers * n * h * (t * (t + 1) / 2)
+    assert forward_flops(CFG, b, t) == pytest.approx(b * (2 * matmul_params(CFG) * t + attn))
+    assert train_step_flops(CFG, b, t, reference=True) == pytest.approx(4 * forward_flops(CFG, b, t))
+    assert train_step_flops(CFG, b, t) == pytest.approx(3 * forward_flops(CFG, b, t))

@@ -1,0 +1,134 @@
+"""A tiny Qwen3's GRPO step, SFT step and paged-engine programs compiled by the TPU compiler
+(libtpu, no TPU needed) for a v5p:2x2x1 slice (4 chips) on meshes (4,1,1), (1,4,1) and
+(1,2,2): the phases' parts, their totals, and what must be resident."""
+import dataclasses
+import json
+
+import pytest
+
+from muajax import parallel
+from muajax.config.schema import SFTConfig
+from muajax.models.qwen3 import Qwen3Config
+from muajax.planning.chips import get_chip
+from muajax.planning.topology import libtpu_available
+
+pytestmark = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
+                                'pip install -e ".[tpu]" to run the TPU planning tests')
+
+from muajax.planning.planner import PlanSettings, plan_run  # noqa: E402
+from muajax.planning.programs import EngineSettings, padded_batch  # noqa: E402
+from muajax.planning.topology import parse_topology, tpu_devices  # noqa: E402
+from muajax.rl.grpo import GRPOConfig  # noqa: E402
+
+# head_dim 128: the engine takes the Pallas paged-attention path on TPU, as at scale; every
+# sharded dim divides by 4 (fsdp=4) and the 2 kv heads by tensor=2.
+TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=128, max_position_embeddings=512, param_dtype="float32", dtype="bfloat16", remat="full")
+MESHES = {"data4": {"data": 4, "fsdp": 1, "tensor": 1}, "fsdp4": {"data": 1, "fsdp": 4, "tensor": 1},
+          "fsdp2_tensor2": {"data": 1, "fsdp": 2, "tensor": 2}}
+SETTINGS = PlanSettings(batch=8, num_groups=2, seq=128, grpo=GRPOConfig(microbatch_size=4),
+                        engine=EngineSettings(num_slots=8, max_len=128, widths=(32,)))
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return tpu_devices(parse_topology("v5p:2x2x1"))
+
+
+@pytest.fixture(scope="module")
+def plans(devices):
+    chip = get_chip("v5p")
+    return {name: plan_run(TINY, devices=devices, mesh=mesh, settings=SETTINGS, label="tiny", topology="v5p:2x2x1",
+                           chip=chip, hbm_bytes=chip.usable_hbm_bytes)
+            for name, mesh in MESHES.items()}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_compiled_by_the_tpu_compiler(plans, name):
+    plan = plans[name]
+    assert plan.compiler == "tpu" and plan.devices == 4 and plan.mesh == MESHES[name]
+    assert [p.name for p in plan.programs] == ["engine decode", "engine extend_32", "grpo step"]
+    assert all(p.error is None and p.compile_s > 0 and p.compiler == "tpu" for p in plan.programs)
+    assert [p.name for p in plan.phases] == ["rollout", "update"]
+    assert plan.fits is True
+    rollout = {p.name: p.bytes for p in plan.phases[0].parts}
+    assert any(name.startswith("engine: KV pool") and "pallas" in name for name in rollout)  # the TPU path
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_parts_add_up(plans, name):
+    plan = plans[name]
+    for phase in plan.phases:
+        assert phase.total == sum(part.bytes for part in phase.parts) > 0
+    assert plan.per_device_bytes == max(phase.total for phase in plan.phases)
+    for program in plan.programs:  # resident arguments + transients: at least the compiler's whole footprint
+        counted = sum(program.resident_args.values()) + sum(program.transient.values())
+        assert counted >= program.memory["total"] and program.memory["temporaries"] > 0
+        if program.memory["arguments"] >= sum(program.resident_args.values()) + program.input_bytes:
+            assert counted == program.memory["total"]  # the compiler read every argument: exactly its figure
+    # the GRPO step reads every argument: its figure is the compiler's own
+    step = next(p for p in plan.programs if p.name == "grpo step")
+    assert sum(step.resident_args.values()) + sum(step.transient.values()) == step.memory["total"]
+    summary = json.loads(json.dumps(plan.to_json()))
+    for phase in summary["phases"]:
+        assert phase["total"] == sum(part["bytes"] for part in phase["parts"])
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_resident_state_is_at_least_its_share(plans, name):
+    plan = plans[name]
+    params = TINY.num_params() * 4  # float32 master weights
+    # params + Adam's two moments + the float32 reference, spread over at most all 4 devices
+    floor = (params + 2 * params + params) / 4
+    for phase in plan.phases:
+        resident = sum(p.bytes for p in phase.parts if p.name.startswith(("train state", "reference")))
+        assert resident >= floor
+    update = {p.name: p.bytes for p in plan.phases[1].parts}
+    if name == "data4":  # pure data parallelism replicates the weights
+        assert update["train state: params"] == params
+    assert update["reference model"] == update["train state: params"]  # the trainer's copy, in the params' dtype
+    pool = next(size for part, size in update.items() if part.startswith("engine: KV pool"))
+    assert pool > 0  # the engine keeps its pool through the update
+
+
+def test_microbatches_pad_like_the_trainer(plans, devices):
+    # 8 rows in 2 microbatches of 4: 4 batch devices take 1 row each, nothing to pad
+    assert plans["data4"].rows["grpo"] == {"batch": 8, "microbatches": 2, "padded": 8}
+    # tensor=2 leaves 2 batch devices: still 8
+    assert plans["fsdp2_tensor2"].rows["grpo"]["padded"] == 8
+    mesh = parallel.make_mesh(4, 1, 1, devices=devices)
+    assert padded_batch(6, 2, mesh) == 8
+    assert padded_batch(256, 32, mesh) == 256   # microbatches of 8 rows: 2 per device
+    assert padded_batch(256, 128, mesh) == 512  # microbatches of 2 rows on 4 devices: padded to 4
+
+
+def test_costs_and_roofline(plans):
+    plan = plans["fsdp4"]
+    step = next(p for p in plan.programs if p.name == "grpo step")
+    assert step.flops > step.xla_flops > 0     # loops counted: 2 microbatches x 2 layers
+    assert step.collectives["all-gather"] > 0  # fsdp gathers the weights
+    line = plan.rooflines()["grpo step"]
+    assert line["estimate_s"] == max(line["compute_s"], line["memory_s"], line["collective_s"]) > 0
+    summary = plan.to_json()
+    assert summary["per_device_bytes"] == plan.per_device_bytes and summary["compiler"] == "tpu"
+    assert set(summary["programs"]["grpo step"]["collective_bytes"]) == {
+        "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"}
+
+
+def test_does_not_fit_a_tiny_hbm(plans):
+    small = dataclasses.replace(plans["fsdp4"], hbm_bytes=64 * 1024)
+    assert small.fits is False and small.per_device_bytes > 64 * 1024
+    assert small.to_json()["fits"] is False
+
+
+def test_sft_phase_holds_no_reference_nor_pool(devices):
+    settings = dataclasses.replace(SETTINGS, phases=("sft",), sft=SFTConfig(batch_size=8, microbatch_size=2),
+                                   sft_seq=128)
+    chip = get_chip("v5p")
+    plan = plan_run(TINY, devices=devices, mesh=MESHES["fsdp4"], settings=settings, label="tiny",
+                    topology="v5p:2x2x1", chip=chip, hbm_bytes=chip.usable_hbm_bytes)
+    assert [p.name for p in plan.programs] == ["sft step"] and [p.name for p in plan.phases] == ["sft"]
+    parts = [p.name for p in plan.phases[0].parts]
+    assert "reference model" not in parts and not any(p.startswith("engine") for p in parts)
+    assert plan.rows["sft"] == {"batch": 8, "microbatches": 4, "padded": 16}  # 2-row microbatches over 4 devices
+    assert plan.fits is True and plan.programs[0].compiler == "tpu"

@@ -1,0 +1,83 @@
+"""Sweep meshes x remat policies on a v5p:2x2x1 slice with a tiny model."""
+import csv
+import json
+import os
+
+import pytest
+
+from muajax import parallel
+from muajax.models.qwen3 import Qwen3Config
+from muajax.planning.chips import get_chip
+from muajax.planning.planner import PlanSettings
+from muajax.planning.sweep import lower_bound, mesh_candidates, run_sweep
+from muajax.planning.topology import libtpu_available, parse_topology, tpu_devices
+from muajax.rl.grpo import GRPOConfig
+
+NEEDS_LIBTPU = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
+                                  'pip install -e ".[tpu]" to run the TPU planning tests')
+
+TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, max_position_embeddings=512, param_dtype="float32", dtype="bfloat16", remat="full")
+
+
+def test_mesh_candidates_cover_every_factorization():
+    axes = ("data", "fsdp", "tensor")
+    meshes = mesh_candidates(4, axes)
+    assert len(meshes) == 6 and all(list(m) == list(axes) for m in meshes)
+    assert {tuple(m.values()) for m in meshes} == {(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)}
+    assert len(mesh_candidates(32, axes)) == 21
+    # the default: every axis of parallel.MESH_AXES (2^k over 4 axes: C(k + 3, 3) ways)
+    assert len(parallel.MESH_AXES) == 4 and all(list(m) == list(parallel.MESH_AXES) for m in mesh_candidates(4))
+    assert len(mesh_candidates(4)) == 10 and len(mesh_candidates(32)) == 56
+    assert mesh_candidates(6, ("a", "b")) == [{"a": 1, "b": 6}, {"a": 2, "b": 3}, {"a": 3, "b": 2}, {"a": 6, "b": 1}]
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return tpu_devices(parse_topology("v5p:2x2x1"))
+
+
+@NEEDS_LIBTPU
+def test_lower_bound_terms(devices):
+    settings = PlanSettings(batch=8, num_groups=2, seq=64, grpo=GRPOConfig(microbatch_size=4))
+    # the einsum attention ("xla") holds a layer's [T, T] scores; splash and chunked do not
+    bound = lower_bound(TINY.replace(attention="xla"), {"data": 1, "fsdp": 4, "tensor": 1}, devices, settings)
+    params = TINY.num_params() * 4
+    assert bound["params"] + bound["reference"] + bound["optimizer state"] >= 4 * params / 4
+    # a microbatch of 4 rows over fsdp=4 is 1 row per device; its scores: 4 heads x 64 x 64 float32,
+    # more than its logits (64 x 256 bfloat16)
+    assert bound["attention scores"] == 4 * 64 * 64 * 4 > 64 * 256 * 2
+    assert "LM-head logits" not in bound  # only the larger of the two counts
+    assert bound["saved layer inputs"] == 2 * 64 * 64 * 2  # 2 layers' [1 row, 64, 64] bfloat16 inputs
+    assert "attention scores" not in lower_bound(TINY, {"data": 1, "fsdp": 4, "tensor": 1}, devices, settings)
+    none = lower_bound(TINY.replace(remat="none", attention="xla"), {"data": 1, "fsdp": 4, "tensor": 1}, devices, settings)
+    assert none["attention scores"] == 2 * bound["attention scores"]  # saved for each of the 2 layers
+
+
+@NEEDS_LIBTPU
+def test_sweep_ranks_prunes_and_writes(devices, tmp_path):
+    # 9M float32 params: weights, two moments and the reference are 142 MB per replica, more than
+    # the 110 MB per device given, so data=4 (a whole replica per device) is pruned before
+    # compiling; the fully sharded meshes (a quarter each, ~85 MB with the step's temporaries) fit.
+    wide = TINY.replace(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4,
+                        head_dim=64)
+    meshes = [{"data": 4, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 4, "tensor": 1},
+              {"data": 1, "fsdp": 2, "tensor": 2}]
+    out = run_sweep(wide, "wide", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64), remats=("full",),
+                    topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=110 * 10**6, out_dir=str(tmp_path),
+                    meshes=meshes)
+    rows, summary = out["rows"], out["summary"]
+    assert summary["configs"] == 3 and summary["compiler"] == "tpu" and summary["pruned"] == 1
+    status = {(r["data"], r["fsdp"], r["tensor"]): r["status"] for r in rows}
+    assert status == {(4, 1, 1): "pruned", (1, 4, 1): "fits", (1, 2, 2): "fits"}
+    assert rows[-1]["note"].startswith("lower bound: params") and rows[-1]["lower_bound"] is True
+    assert rows[0]["lower_bound"] is False  # compiled to the end: exact
+    estimates = [r["estimate_s"] for r in rows[:2]]
+    assert estimates == sorted(estimates) and estimates[0] > 0  # fitting ones first, by estimated step time
+    assert summary["best"] == rows[0]
+    assert all(r["microbatches"] == 8 // (r["data"] * r["fsdp"]) for r in rows)  # one row per batch device
+    with open(os.path.join(tmp_path, "sweep.csv")) as f:
+        assert len(list(csv.DictReader(f))) == 3
+    with open(os.path.join(tmp_path, "sweep.json")) as f:
+        assert json.load(f)["rows"] == json.loads(json.dumps(rows))
+    assert os.path.getsize(os.path.join(tmp_path, "sweep.png")) > 10_000
