@@ -253,10 +253,11 @@ def process_devices(process_index: int) -> list:
     return sorted((d for d in jax.devices() if d.process_index == process_index), key=lambda d: d.id)
 
 
-def local_mesh(global_mesh: Mesh) -> Mesh:
-    """A mesh over this process's devices: the global tensor axis if it fits on one host
-    (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
-    devices = process_devices(jax.process_index())
+def local_mesh(global_mesh: Mesh, devices: list | None = None) -> Mesh:
+    """A mesh over this process's devices (or `devices`, one process's): the global tensor
+    axis if it fits on one host (decode is latency bound: tensor parallelism helps it), fsdp
+    for the rest."""
+    devices = process_devices(jax.process_index()) if devices is None else devices
     tensor = math.gcd(global_mesh.shape["tensor"], len(devices))
     sizes = dict.fromkeys(parallel.MESH_AXES, 1) | {"fsdp": len(devices) // tensor, "tensor": tensor}
     grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))

@@ -33,10 +33,10 @@ from muajax.models.sharding import param_shardings
 from muajax.train import distributed
 
 
-def default_shape(platform: str, devices: int, cfg: Qwen3Config) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) of the default rollout mesh on an accelerator host."""
+def default_shape(platform: str, devices: int, cfg: Qwen3Config) -> tuple[int, ...]:
+    """The default rollout mesh's sizes (MESH_AXES order) on an accelerator host."""
     tensor = max(t for t in range(1, devices + 1) if devices % t == 0 and cfg.num_kv_heads % t == 0)
-    return devices // tensor, 1, tensor
+    return devices // tensor, 1, tensor, 1
 
 
 def rollout_mesh(config: RolloutMeshConfig | None, train_mesh: Mesh, cfg: Qwen3Config) -> Mesh:
@@ -44,16 +44,29 @@ def rollout_mesh(config: RolloutMeshConfig | None, train_mesh: Mesh, cfg: Qwen3C
     multi = distributed.multiprocess()
     devices = (distributed.process_devices(jax.process_index()) if multi
                else list(train_mesh.devices.flat))
+    return engine_mesh(config, train_mesh, cfg, devices=devices, multiprocess=multi)
+
+
+def engine_mesh(config: RolloutMeshConfig | None, train_mesh: Mesh, cfg: Qwen3Config, *, devices: list,
+                multiprocess: bool) -> Mesh:
+    """The mesh an engine on `devices` (one process's) uses; the planner calls it with one
+    host's devices of a topology it compiles for."""
     platform = devices[0].platform
     if config is None and platform == "cpu":
-        return distributed.local_mesh(train_mesh) if multi else train_mesh
+        return distributed.local_mesh(train_mesh, devices) if multiprocess else train_mesh
     if config is None:
         shape = default_shape(platform, len(devices), cfg)
     else:
-        shape = parallel.resolve_mesh_shape(config.data, config.fsdp, config.tensor, len(devices))
-    if not multi and shape == tuple(train_mesh.devices.shape):
+        # decode runs no sequence axis: each conversation's rows stay on its devices
+        shape = parallel.resolve_mesh_shape(config.data, config.fsdp, config.tensor, 1, len(devices))
+    if not multiprocess and shape == tuple(train_mesh.devices.shape):
         return train_mesh
     return parallel.make_mesh(*shape, devices=devices)
+
+
+def copies_params(cfg: Qwen3Config, mesh: Mesh, train_mesh: Mesh, multiprocess: bool) -> bool:
+    """Whether the engine decodes from its own copy rather than the live params."""
+    return copy_dtype(cfg) is not None or mesh is not train_mesh or multiprocess
 
 
 def copy_dtype(cfg: Qwen3Config):
@@ -62,7 +75,8 @@ def copy_dtype(cfg: Qwen3Config):
     return cfg.compute_dtype if narrower else None
 
 
-def _stays_fp32(path, cfg: Qwen3Config) -> bool:
+def stays_fp32(path, cfg: Qwen3Config) -> bool:
+    """Whether the leaf at `path` stays float32 in the engine's copy (the LM head with logits_fp32)."""
     head = "embed" if cfg.tie_word_embeddings else "lm_head"
     return cfg.logits_fp32 and getattr(path[0], "key", None) == head
 
@@ -70,7 +84,7 @@ def _stays_fp32(path, cfg: Qwen3Config) -> bool:
 def cast_params(params, cfg: Qwen3Config, dtype):
     """`params` in `dtype` (the LM head kept with `logits_fp32`), in their own layout."""
     def cast(tree):
-        return jax.tree_util.tree_map_with_path(lambda p, x: x if _stays_fp32(p, cfg) else x.astype(dtype), tree)
+        return jax.tree_util.tree_map_with_path(lambda p, x: x if stays_fp32(p, cfg) else x.astype(dtype), tree)
 
     return jax.jit(cast, out_shardings=jax.tree.map(lambda x: x.sharding, params))(params)
 
@@ -83,7 +97,7 @@ class RolloutEngine(Engine):
     def __init__(self, params, cfg: Qwen3Config, *, mesh: Mesh, train_mesh: Mesh, **kwargs):
         self.copy_dtype = copy_dtype(cfg)
         self.param_shardings = param_shardings(cfg, mesh)
-        self.copies = self.copy_dtype is not None or mesh is not train_mesh or distributed.multiprocess()
+        self.copies = copies_params(cfg, mesh, train_mesh, distributed.multiprocess())
         self._layout_cfg, self._source, self._params = cfg, None, None
         super().__init__(params, cfg, mesh=mesh, **kwargs)
 
