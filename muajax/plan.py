@@ -47,7 +47,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 # Flags that describe the run itself: a config describes it instead (change it with --set).
 RUN_FLAGS = ("model", "batch", "groups", "seq", "microbatch", "minibatch", "remat", "param_dtype", "dtype",
              "kl_coef", "logits_chunk", "slots", "max_len", "kv_cache_tokens", "page_size", "sft_batch",
-             "sft_microbatch")
+             "sft_microbatch", "keep_kv_pool")
 
 
 def parse_bytes(text: str) -> int:
@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     # either way
     p.add_argument("--sft-seq", type=int, default=None, help="SFT padded length (default: sft.max_len / --seq)")
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens every row starts with (computed once)")
-    p.add_argument("--free-kv-during-update", action="store_true",
-                   help="assume the engine frees its KV pool for the update (the trainer keeps it)")
+    p.add_argument("--keep-kv-pool", action="store_true", default=None,
+                   help="the engine keeps its KV pool through the update (rollout.keep_kv_pool; with --config "
+                        "set that key instead)")
     p.add_argument("--phases", type=_phases, default=None,
                    help=f"subset of {','.join(PHASES)} (default: the config's stages, else rollout,update)")
     p.add_argument("--chip", default=None, help="judge a cpu:N plan against this chip (h100, a100, v5p, ...)")
@@ -148,7 +149,7 @@ def settings_from_flags(args) -> PlanSettings:
                             kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
     return PlanSettings(batch=batch, num_groups=_or(args.groups, max(batch // 8, 1)), seq=seq, grpo=grpo, sft=sft,
                         sft_seq=args.sft_seq, shared_prefix=args.shared_prefix, engine=engine,
-                        keep_kv_during_update=not args.free_kv_during_update,
+                        keep_kv_during_update=bool(args.keep_kv_pool),
                         phases=args.phases or ("rollout", "update"), exact_oom=args.exact_oom)
 
 
@@ -168,8 +169,7 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     print(f"plan: {args.config}: model from {source}", flush=True)
     overrides = {"phases": args.phases} if args.phases else {}
     settings = from_train_config(cfg, shared_prefix=args.shared_prefix, sft_seq=args.sft_seq,
-                                 keep_kv_during_update=not args.free_kv_during_update, exact_oom=args.exact_oom,
-                                 **overrides)
+                                 exact_oom=args.exact_oom, **overrides)
     mesh = args.mesh or cfg.mesh.sizes()
     topology = args.topology or cfg.mesh.topology
     if topology is None:

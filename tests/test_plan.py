@@ -84,12 +84,23 @@ def test_plan_a_run_config_as_the_trainer_runs_it(config):
     assert out["settings"]["engine"]["num_slots"] == 8 and out["settings"]["engine"]["max_len"] == 256
     rollout, update, sft = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
     assert update["reference model"] == update["train state: params"]  # float32, as run_grpo keeps it
-    assert any(name.startswith("engine: KV pool") and "pallas" in name for name in update)  # kept, TPU path
+    assert any(name.startswith("engine: KV pool") and "pallas" in name for name in rollout)  # the TPU path
+    assert not any(name.startswith("engine") for name in update)  # copy and pool let go for the update
     assert "reference model" not in sft and not any(name.startswith("engine") for name in sft)
     for phase in out["phases"]:
         assert phase["total"] == sum(part["bytes"] for part in phase["parts"])
     assert {"engine decode", "grpo step", "sft step"} <= set(out["programs"])
     assert "model from the config's inline model.arch" in proc.stdout
+
+
+@needs_libtpu
+def test_the_configs_engine_pool_is_planned(config):
+    out, _ = run_plan(["--config", config, "--phases", "rollout,update", "--set", "rollout.kv_cache_tokens=1024",
+                       "rollout.keep_kv_pool=true"])
+    assert out["settings"]["engine"]["kv_cache_tokens"] == 1024 and out["settings"]["keep_kv_during_update"]
+    rollout, update = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
+    (pool,) = [name for name in update if name.startswith("engine: KV pool")]  # kept through the update
+    assert pool.startswith("engine: KV pool (1024 tokens") and rollout[pool] == update[pool] > 0
 
 
 @needs_libtpu

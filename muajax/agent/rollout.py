@@ -10,7 +10,10 @@ Each conversation is a `Conversation` (its state machine), each message routed b
 `muajax.agent.calls`.
 
 Per-rollout seeds derive from (seed, task index, rollout index) and the engine's sampling
-key from (seed, position): samples do not depend on scheduling or batch composition.
+key from (seed, position): samples do not depend on scheduling. Nor do the numbers they are
+drawn from, when the engine's calls have fixed shapes (`rollout.deterministic`,
+`Engine(batch_rows=...)`): then the same seed gives the same bits whatever the timing of
+users and tools. The system prompt is registered as the engine's shared prefix.
 """
 from __future__ import annotations
 
@@ -69,7 +72,10 @@ class _Driver:
         text = text or None  # an empty policy: no system text, the tools block alone (BFCL's FC prompt)
         key = json.dumps([text, schemas], sort_keys=True, default=str)
         if key not in self._system_ids:
-            self._system_ids[key] = system_prompt_ids(self.tok, text, schemas)
+            ids = self._system_ids[key] = system_prompt_ids(self.tok, text, schemas)
+            if len(ids) < self.engine.max_len:
+                # every conversation of the domain starts with it: computed once per policy version
+                self.engine.register_prefix(ids)
         return self._system_ids[key]
 
     def _new_conversation(self, ti: int, ri: int) -> Conversation | None:
@@ -215,7 +221,8 @@ class _Driver:
         return RolloutBatch(sorted(trajectories, key=lambda t: (t.group_id, t.rollout_index)), {
             "wall_s": wall, "device_s": device, "busy_share": device / wall if wall > 0 else 0.0,
             "conversations": len(trajectories), **self.stats,
-            **{k: engine.stats[k] - stats0[k] for k in ("decode_tokens", "extend_tokens", "decode_calls")}})
+            **{k: engine.stats[k] - stats0[k] for k in ("decode_tokens", "extend_tokens", "decode_calls", "preemptions",
+                                                        "prefix_hits", "prefix_prefill_tokens")}})
 
     async def _cleanup(self, engine_pool) -> None:
         for task in self.in_flight:

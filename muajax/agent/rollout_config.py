@@ -3,8 +3,26 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Literal
+
 from muajax.config.fields import Checked, bounded, check
 from muajax.engine.engine import SamplingParams
+from muajax.engine.paged_attention import ATTENTION_CHOICES
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutMeshConfig(Checked):
+    """The engine's own layout: axis sizes over one process's devices (-1: the rest)."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = -1
+
+    def validate(self) -> None:
+        sizes = {n: getattr(self, n) for n in ("data", "fsdp", "tensor")}
+        for name, size in sizes.items():
+            check(size == -1 or size >= 1, name, f"must be >= 1 or -1 (the rest of the devices), got {size}")
+        check(list(sizes.values()).count(-1) <= 1, "data", "at most one axis may be -1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +57,23 @@ class RolloutConfig(Checked):
     # False = the reference mode that waits for every pending user reply / tool result
     # before decoding anything else (the benchmark's baseline; also handy when debugging).
     overlap_io: bool = True
+    # The engine (muajax.engine). Its KV page pool, in tokens, for the step's conversations
+    # (split evenly over processes); None: every slot can reach max_context (nothing is ever
+    # preempted). Or `kv_cache_share`: that share of the free accelerator memory, per device,
+    # where the backend reports it (device.memory_stats()).
+    kv_cache_tokens: int | None = bounded(None, ge=1)
+    kv_cache_share: float | None = bounded(None, gt=0, le=1)
+    page_size: int | None = bounded(None, ge=1)  # None: 128 with the Pallas kernel, else 16
+    attention: Literal[ATTENTION_CHOICES] = "auto"  # auto: the Pallas kernel on TPU, else pure JAX
+    # The engine's layout over one process's devices (several processes: one engine each);
+    # None: tensor parallel over a host's devices on TPU and GPU, the training mesh on CPU.
+    mesh: RolloutMeshConfig | None = None
+    keep_kv_pool: bool = False  # keep the pool through the train step (else freed, made again)
+    # Every engine call has all of a shard's slots as rows, so a conversation's numbers do not
+    # depend on which others share its calls: same config and seed, same bits, whatever the
+    # timing of users and tools (while nothing is preempted). False: calls bucketed to the
+    # conversations in them (less padded work, rounding that follows the schedule).
+    deterministic: bool = True
 
     def validate(self) -> None:
         try:
@@ -48,6 +83,8 @@ class RolloutConfig(Checked):
             check(False, field, str(e).removeprefix(field + " "))
         check(self.max_new_tokens_per_turn < self.max_context, "max_new_tokens_per_turn",
               f"({self.max_new_tokens_per_turn}) must be smaller than max_context ({self.max_context})")
+        check(self.kv_cache_tokens is None or self.kv_cache_share is None, "kv_cache_share",
+              "conflicts with kv_cache_tokens: size the pool one way")
 
     @classmethod
     def for_engine(cls, max_len: int, **values) -> RolloutConfig:

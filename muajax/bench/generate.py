@@ -20,6 +20,16 @@ shared with other jobs torch's threads can stall each other (2 threads on 2 busy
 measured 10-25x slower than 1 thread), which would flatter muajax, so transformers is
 also timed with `--alt-threads` threads and the `*_vs_best_torch` ratios use the faster.
 
+Cost against max_len (`--max-len L`): the engine's pages make a step's cost follow the
+length in use, not the length a conversation may reach. The same prompts are then also
+decoded by a second engine at `--base-max-len` (512), interleaved with the first, and
+`maxlen_cost_ratio` is muajax's decode ms/step at L over that engine's.
+
+tunix (`--tunix-python PY`, an interpreter whose environment has google-tunix): its
+`Sampler` decodes the same prompts greedily from the same checkpoint in a subprocess
+(`tunix_side.py`, which says how its ms/step is measured); `tunix_decode_ms_ratio` is
+muajax's decode ms/step over tunix's (below 1: muajax is faster).
+
 Runs alternate which side goes first each round (shared machine: drift hits all sides);
 figures are medians. The decode floor (`muajax.bench.decode_floor`: one step's matmuls
 alone, in torch and in XLA, and one read of every weight) bounds the ratio an engine
@@ -30,7 +40,9 @@ run is timed separately and `compile_s` is its excess over the warm median.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +66,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
     p.add_argument("--new", type=int, default=128, help="tokens generated per row")
     p.add_argument("--decode-chunk", type=int, default=32, help="Engine(decode_chunk=...)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="the engine's max_len (default prompt + new); also times an engine at --base-max-len")
+    p.add_argument("--base-max-len", type=int, default=512, help="the max_len --max-len is compared with")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds per side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -63,6 +78,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "machine torch's all-core run can be many times slower than a 1-thread one, "
                         "which would flatter the ratio; the *_vs_best_torch figures use the faster one")
     p.add_argument("--no-hf", action="store_true", help="time muajax only (profiling)")
+    p.add_argument("--tunix-python", default=os.environ.get("MUAJAX_TUNIX_PYTHON"),
+                   help="a python with google-tunix: also time tunix's Sampler (default $MUAJAX_TUNIX_PYTHON)")
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
     args = p.parse_args(argv)
     if args.quick:
@@ -73,6 +90,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.prompt < 2 or args.new < 2:
         raise common.BenchError("--prompt and --new must be >= 2: the engine splits off the last prompt token, "
                                 "transformers' decode span runs from the first new token to the last")
+    if min(args.max_len or args.prompt + args.new, args.base_max_len) < args.prompt + args.new:
+        raise common.BenchError(f"--max-len and --base-max-len must hold --prompt + --new = {args.prompt + args.new}")
     return args
 
 
@@ -165,6 +184,24 @@ def muajax_generate_once(engine, prompts: np.ndarray, new: int) -> tuple[dict, n
             "decode_tokens": b * new, "tokens": b * new}, tokens
 
 
+def tunix_generate(python: str, hf_model, prompts: np.ndarray, new: int, repeat: int) -> dict:
+    """tunix_side.py's figures for the same checkpoint and prompts, run by `python`."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tunix_side.py")
+    with tempfile.TemporaryDirectory(prefix="muajax-bench-tunix-") as workdir:
+        hf_model.save_pretrained(workdir)
+        np.save(os.path.join(workdir, "prompts.npy"), prompts)
+        command = [python, script, "--hf-dir", workdir, "--prompts", os.path.join(workdir, "prompts.npy"),
+                   "--new", str(new), "--short", str(max(1, new // 8)), "--repeat", str(max(repeat, 3))]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise common.BenchError(f"the tunix side did not run: {exc}") from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        raise common.BenchError(f"the tunix side failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> float:
     """Mean length of the agreeing prefix per row: a check that both sides ran the same model."""
     lengths = []
@@ -196,13 +233,17 @@ def run(argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="muajax-bench-generate-") as workdir:
         hf_model, params, cfg = build_models(args.quick, args.seed, workdir)
     prompts = rng.randint(0, cfg.vocab_size, size=(args.batch, args.prompt)).astype(np.int32)
-    engine = make_engine(params, cfg, args.batch, args.prompt + args.new, args.decode_chunk)
+    max_len = args.max_len or args.prompt + args.new
+    engine = make_engine(params, cfg, args.batch, max_len, args.decode_chunk)
     common.log(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
                f"{cfg.num_params() / 1e6:.1f}M params, {cfg.dtype}; batch {args.batch}, prompt {args.prompt}, "
-               f"new {args.new}, decode_chunk {args.decode_chunk}")
+               f"new {args.new}, decode_chunk {args.decode_chunk}, max_len {max_len}")
 
     cold, mj_tokens = muajax_generate_once(engine, prompts, args.new)
     sides = {"muajax": lambda: muajax_generate_once(engine, prompts, args.new)}
+    if args.max_len is not None and args.max_len != args.base_max_len:
+        base_engine = make_engine(params, cfg, args.batch, args.base_max_len, args.decode_chunk)
+        sides["muajax_base"] = lambda: muajax_generate_once(base_engine, prompts, args.new)
     threads = {}
     if not args.no_hf:
         threads["transformers"] = args.threads
@@ -227,9 +268,17 @@ def run(argv: list[str]) -> dict:
     compile_s = max(cold["total_s"] - mj["total_s"], 0.0)
     mj["compile_s"] = round(compile_s, 3)
     result = {"config": {k: getattr(args, k) for k in ("batch", "prompt", "new", "decode_chunk", "repeat", "threads",
-                                                       "alt_threads", "quick")},
+                                                       "alt_threads", "quick")} | {"max_len": max_len},
               "muajax": mj}
-    common.log(_line("muajax", mj) + f"  (compile {compile_s:.2f}s, excluded)")
+    common.log(_line(f"muajax (max_len {max_len})", mj) + f"  (compile {compile_s:.2f}s, excluded)")
+    if "muajax_base" in figures:
+        base = result["muajax_base"] = figures["muajax_base"] | {"max_len": args.base_max_len}
+        result["maxlen_cost_ratio"] = common.ratio(mj["decode_ms_per_step"], base["decode_ms_per_step"])
+        # the same greedy tokens: max_len changes the page tables' width, not the numbers
+        result["maxlen_same_tokens"] = bool(np.array_equal(outputs["muajax_base"], mj_tokens))
+        common.log(_line(f"muajax (max_len {args.base_max_len})", base))
+        common.log(f"decode ms/step at max_len {max_len} / at {args.base_max_len}: x{result['maxlen_cost_ratio']:.3f}"
+                   f"  (same tokens: {result['maxlen_same_tokens']})")
     for name, n in threads.items():
         figures[name]["torch_threads"] = n
         result[name] = figures[name]
@@ -253,6 +302,15 @@ def run(argv: list[str]) -> dict:
         result["floor"] = decode_floor.measure(hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
                                                torch_threads=threads.values(), repeat=max(5, 5 * args.repeat))
         setup_threads(args.threads)
+    if args.tunix_python:
+        tx = tunix_generate(args.tunix_python, hf_model, prompts, args.new, args.repeat)
+        tx_tokens = np.asarray(tx.pop("tokens"))
+        result["tunix"] = tx
+        result["tunix_decode_ms_ratio"] = common.ratio(mj["decode_ms_per_step"], tx["decode_ms_per_step"])
+        result["tunix_greedy_agree_prefix"] = common_prefix(mj_tokens, tx_tokens)
+        common.log(f"tunix {tx['version']} Sampler: decode {tx['decode_ms_per_step']:.2f} ms/step; muajax / tunix "
+                   f"x{result['tunix_decode_ms_ratio']:.3f} (below 1: muajax faster); greedy tokens agree for the first "
+                   f"{result['tunix_greedy_agree_prefix']:.1f}/{args.new}")
     result["machine"] = common.machine_info()
     return result
 

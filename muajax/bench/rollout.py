@@ -7,6 +7,12 @@ device time / wall time of the whole rollout call. The reference, run in the sam
 process on the same engine, tasks and seeds, is `overlap_io=False`: the loop that waits
 for every pending user reply before decoding anything else.
 
+The system prompt is the domain's policy padded to `--system-tokens` (4800 by default, the
+size of τ2's rendered prompts). The rollout registers it as the engine's shared prefix, so
+its full pages are computed once per policy version and shared by every conversation:
+`prefix_prefill_tokens` (over all runs, which share one policy version) is that prefix once,
+not once per conversation, and `prefix_hits` counts the conversations that started on it.
+
 Runs alternate which mode goes first each round. All decode and extend programs are
 compiled before anything is timed (one pass over every batch bucket).
 """
@@ -163,19 +169,35 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--turn-tokens", type=float, default=6.0, help="mean assistant turn length of the tiny model")
     p.add_argument("--decode-chunk", type=int, default=2,
                    help="decode steps per engine.step(); smaller than a turn, so conversations drift apart")
-    p.add_argument("--max-len", type=int, default=1536)
+    p.add_argument("--system-tokens", type=int, default=4800,
+                   help="pad the domain's policy to a system prompt of about this many tokens (0: as it is)")
+    p.add_argument("--max-len", type=int, default=None, help="tokens per conversation (default: prompt + 512)")
     p.add_argument("--repeat", type=int, default=1, help="timed rounds per mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 tasks x 2, short delay: checks the bench runs")
     args = p.parse_args(argv)
     if args.quick:
-        args.tasks, args.n, args.delay, args.repeat = 2, 2, 0.3, 1
+        args.tasks, args.n, args.delay, args.repeat, args.system_tokens = 2, 2, 0.3, 1, min(args.system_tokens, 600)
     if min(args.tasks, args.n, args.user_turns, args.max_turns, args.max_new, args.decode_chunk, args.repeat) < 1:
         raise common.BenchError("--tasks, --n, --user-turns, --max-turns, --max-new, --decode-chunk and --repeat "
                                 "must be >= 1")
-    if args.delay < 0:
-        raise common.BenchError("--delay must be >= 0")
+    if args.delay < 0 or args.system_tokens < 0:
+        raise common.BenchError("--delay and --system-tokens must be >= 0")
     return args
+
+
+def padded_policy(tok, policy: str, tools, tokens: int) -> str:
+    """`policy` with numbered filler rules appended until its system prompt has about `tokens`
+    tokens (a policy as long as τ2's, on the built-in domain)."""
+    from muajax.agent.chat import system_prompt_ids
+
+    text, rule = policy, 0
+    while len(system_prompt_ids(tok, text, tools)) < tokens:
+        missing = tokens - len(system_prompt_ids(tok, text, tools))
+        lines = [f"\n- Rule {rule + i}: confirm the order id and the user's zip code before any change."
+                 for i in range(max(1, missing // 20))]  # ~18 tokens a line: never far past `tokens`
+        text, rule = text + "".join(lines), rule + len(lines)
+    return text
 
 
 def precompile(engine, prompt: list[int]) -> float:
@@ -204,7 +226,8 @@ def run(argv: list[str]) -> dict:
     from muajax.engine.engine import Engine
     from muajax.domains.builtin import BuiltinEnvironment
     from muajax.models.tokenizer import load_tokenizer
-    from muajax.agent.rollout import RolloutOptions, run_rollouts
+    from muajax.agent.rollout import run_rollouts
+    from muajax.agent.rollout_config import RolloutConfig
     from muajax.domains.openai_user import OpenAIUserSimulator
 
     tok = load_tokenizer()
@@ -213,18 +236,23 @@ def run(argv: list[str]) -> dict:
     env = BuiltinEnvironment(seed=args.seed)
     tasks = env.tasks("train")[: args.tasks]
     conversations = args.tasks * args.n
-    engine = Engine(params, cfg, num_slots=conversations, max_len=args.max_len, decode_chunk=args.decode_chunk,
-                    extend_widths=(128,))
-    prompt = system_prompt_ids(tok, env.policy(), env.reset(tasks[0]).tools())
+    tools = env.reset(tasks[0]).tools()
+    policy = padded_policy(tok, env.policy(), tools, args.system_tokens)
+    prompt = system_prompt_ids(tok, policy, tools)
+    args.max_len = args.max_len or len(prompt) + 512
     if len(prompt) + 200 > args.max_len:
         raise common.BenchError(f"--max-len {args.max_len} leaves no room after the {len(prompt)}-token prompt")
+    engine = Engine(params, cfg, num_slots=conversations, max_len=args.max_len, decode_chunk=args.decode_chunk,
+                    extend_widths=(128,))
     common.log(f"{conversations} conversations ({args.tasks} tasks x {args.n}), tiny Qwen3 "
                f"(hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), user reply delay {args.delay:g}s, "
                f"prompt {len(prompt)} tokens")
+    engine.register_prefix(prompt)  # precompiling on the shared prefix: one prefill, not one per slot
     compile_s = precompile(engine, prompt)
+    engine.clear_prefixes()  # the timed runs start without it, as a new policy version does
     common.log(f"compiled {len(engine.batch_buckets)} batch buckets in {compile_s:.1f}s")
-    options = RolloutOptions(n=args.n, max_turns=args.max_turns, max_new_tokens_per_turn=args.max_new,
-                             max_context=args.max_len)
+    options = RolloutConfig(n_per_task=args.n, max_turns=args.max_turns, max_new_tokens_per_turn=args.max_new,
+                            max_context=args.max_len, system_text=policy)
     server = DelayedUserServer(args.delay, args.user_turns).start()
 
     async def rounds() -> dict[str, list[dict[str, Any]]]:
@@ -247,7 +275,8 @@ def run(argv: list[str]) -> dict:
                     out[mode].append(stats)
                     common.log(f"  {mode:8s} wall {stats['wall_s']:7.2f}s  device {stats['device_s']:7.2f}s  "
                                f"busy {stats['busy_share']:.3f}  sampled {stats['sampled']}  "
-                               f"user turns {stats['user_turns']}  peak live {stats['peak_live']}")
+                               f"user turns {stats['user_turns']}  peak live {stats['peak_live']}  "
+                               f"prefix: prefilled {stats['prefix_prefill_tokens']} tokens, {stats['prefix_hits']} hits")
         finally:
             await user.aclose()
         # per-rollout seeds: both schedules must produce the very same conversations
@@ -265,6 +294,13 @@ def run(argv: list[str]) -> dict:
     common.log(f"busy share: overlapped {o['busy_share']:.3f} vs waiting-for-each-reply {b['busy_share']:.3f} "
                f"(ratio {common.ratio(o['busy_share'], b['busy_share']):.2f}x)")
     common.log(f"same conversations in both modes: {same}")
+    # every run has the same params (one policy version): the prefix is computed in the first
+    prefix = {k: sum(r[k] for runs in results.values() for r in runs) for k in ("prefix_prefill_tokens", "prefix_hits")}
+    shared = len(prompt) // engine.page_size * engine.page_size  # full pages only are shared
+    runs_done = sum(map(len, results.values()))
+    common.log(f"system prompt {len(prompt)} tokens ({shared} in shared pages): prefilled {prefix['prefix_prefill_tokens']} "
+               f"prefix tokens over {runs_done} runs of {conversations} conversations, {prefix['prefix_hits']} prefix hits "
+               f"(without sharing: {shared * conversations * runs_done} tokens)")
     common.log(f"wall time:  overlapped {o['wall_s']:.2f}s vs waiting-for-each-reply {b['wall_s']:.2f}s "
                f"(speed-up {common.ratio(b['wall_s'], o['wall_s']):.2f}x)")
     return {
@@ -273,5 +309,6 @@ def run(argv: list[str]) -> dict:
         "wall_s": o["wall_s"], "baseline_wall_s": b["wall_s"], "speedup": common.ratio(b["wall_s"], o["wall_s"]),
         "sampled_tokens": o["sampled"], "baseline_sampled_tokens": b["sampled"], "same_conversations": same,
         "conversations": conversations, "user_delay_s": args.delay, "compile_s": compile_s,
+        "system_prompt_tokens": len(prompt), "prefix_tokens": shared, **prefix,
         "runs": results, "machine": common.machine_info(),
     }

@@ -5,15 +5,18 @@ Its public interface, written down:
 engine.engine.Engine(params, cfg, *, num_slots, max_len, mesh=None, stop_ids=(IM_END_ID,),
         decode_chunk=32, extend_widths=(32, 128, 512, 2048), min_batch_bucket=1,
         kv_cache_tokens=None, page_size=None, max_extend_tokens=8192, attention="auto",
-        kernel_blocks=KernelBlocks())
+        kernel_blocks=KernelBlocks(), batch_rows=None)
     num_slots: conversations open at once; max_len: tokens per conversation;
     kv_cache_tokens: the page pool in tokens (default max(num_slots, shards) * max_len);
     page_size: tokens per page (default 128 on the Pallas path, else 16);
-    attention: "auto" (Pallas kernel on TPU), "pallas" or "reference" (pure JAX).
+    attention: "auto" (Pallas kernel on TPU), "pallas" or "reference" (pure JAX);
+    batch_rows: every call has this many rows per shard, so a conversation's numbers do not
+    depend on which others share its calls (None: calls bucketed to their conversations).
   open(tokens, *, seed=0) -> slot        release(slot)          append(slot, tokens)
   start(slot, SamplingParams)            step() -> [Generation]  generate(slots, sampling) -> {slot: Generation}
   flush(slots=None, *, keep_last=False)  length(slot)           is_generating(slot)    sampled(slot)
   register_prefix(tokens)                clear_prefixes()       cached_kv(slot) -> (k, v)
+  release_memory() (free the pool; allocated again on next use)   warmup(max_tokens=None) -> programs compiled
   free_slots, num_slots, max_len, params (assign new params after an update), stats, batch_buckets,
   extend_widths, page_size, attention
   stats: decode_steps, decode_tokens, decode_calls, extend_tokens, extend_calls, device_s,
@@ -37,5 +40,6 @@ engine.programs.build_spec(cfg, mesh, *, num_slots, max_len, kv_cache_tokens=Non
 Modules: pages.py (host: page pool, page tables, refcounts, preemption, shared prefixes),
 batching.py (host: rows per shard, buckets, chunked extends), kv_cache.py (device: the pool
 and shard-local page gathers/writes), paged_attention.py (pure-JAX and Pallas attention over
-pages), programs.py (the jitted extend and decode programs), sampling.py, engine.py.
+pages), programs.py (the jitted extend and decode programs), warmup.py (compiling them all
+ahead), sampling.py, engine.py.
 """

@@ -6,6 +6,13 @@ A batch has `num_shards * rows_per_shard` rows, shard s's rows at [s * rows_per_
 two), padding rows have no tokens and a zero page-table row. Extends are chunked: one call
 takes at most the widest extend width per row and `max_extend_tokens` (rows x width) per
 shard, so no program is as wide as max_len.
+
+Fixed rows (`fixed_rows`, the Engine's `batch_rows`): every call has exactly that many rows
+per shard (an extend call: as many as `max_extend_tokens` allows at its width), and each
+sequence's tokens are extended at the width of its *own* bucket, so the shape of every call
+a sequence takes part in follows from that sequence alone. Matmul kernels round differently
+at different row counts (XLA:CPU's change strategy with M, measured), so this is what makes
+a row's numbers independent of which other rows share its call.
 """
 from __future__ import annotations
 
@@ -41,6 +48,36 @@ def dense_pages(tokens: int, spec: PoolSpec) -> int:
     return min(1 << (pages - 1).bit_length(), spec.max_pages)
 
 
+def dense_buckets(spec: PoolSpec, min_tokens: int = 1, max_tokens: int | None = None) -> tuple[int, ...]:
+    """Every `dense_pages` value for `min_tokens`..`max_tokens` (default max_len) positions."""
+    top = dense_pages(max_tokens or spec.max_pages * spec.page_size, spec)
+    out, pages = [], dense_pages(min_tokens, spec)
+    while pages < top:
+        out.append(pages)
+        pages = min(pages * 2, spec.max_pages)
+    return tuple(out + [top])
+
+
+def extend_cap(width: int, row_buckets: Sequence[int], max_tokens: int) -> int:
+    """Sequences per shard one extend call at `width` takes."""
+    return max(1, min(max_tokens // width, row_buckets[-1]))
+
+
+def extend_rows(width: int, row_buckets: Sequence[int], max_tokens: int, fixed: bool) -> tuple[int, ...]:
+    """The rows-per-shard counts an extend call at `width` can have."""
+    cap = extend_cap(width, row_buckets, max_tokens)
+    return (cap,) if fixed else tuple(sorted({bucket(n, row_buckets) for n in range(1, cap + 1)}))
+
+
+def rounds(items: Sequence, shard_of, num_shards: int, cap: int) -> list[list]:
+    """`items` in calls of at most `cap` per shard, in order."""
+    per_shard = [[] for _ in range(num_shards)]
+    for item in items:
+        per_shard[shard_of(item)].append(item)
+    count = max(map(len, per_shard))
+    return [[x for group in per_shard for x in group[i * cap:(i + 1) * cap]] for i in range(-(-count // cap))]
+
+
 def _by_shard(items, shard_of, spec: PoolSpec, cap: int) -> list[list]:
     groups = [[] for _ in range(spec.num_shards)]
     for item in items:
@@ -59,17 +96,23 @@ class ExtendBatch:
 
 
 def extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, widths: Sequence[int],
-                   row_buckets: Sequence[int], max_tokens: int, tables: PageTables) -> Iterator[ExtendBatch]:
+                   row_buckets: Sequence[int], max_tokens: int, tables: PageTables,
+                   fixed_rows: bool = False) -> Iterator[ExtendBatch]:
     """Extend calls that write every queued token (but the last, with `keep_last`) of `seqs`,
     which must already hold pages for them. Each batch's tokens move from `queued` to
-    `cached` as it is yielded: run it before asking for the next."""
+    `cached` as it is yielded: run it before asking for the next. `fixed_rows`: see above."""
     todo = {seq: len(seq.queued) - int(keep_last) for seq in sorted(seqs, key=lambda s: s.priority)}
     todo = {seq: n for seq, n in todo.items() if n > 0}
     while todo:
-        width = bucket(max(todo.values()), widths)
-        cap = max(1, min(max_tokens // width, row_buckets[-1]))
-        groups = _by_shard(todo, lambda s: s.shard, spec, cap)
-        per_shard = bucket(max(map(len, groups)), row_buckets)
+        if fixed_rows:  # the narrowest own width first; only the sequences of that width
+            own = {seq: bucket(min(n, widths[-1]), widths) for seq, n in todo.items()}
+            width = min(own.values())
+            members = [seq for seq in todo if own[seq] == width]
+        else:
+            width, members = bucket(max(todo.values()), widths), list(todo)
+        cap = extend_cap(width, row_buckets, max_tokens)
+        groups = _by_shard(members, lambda s: s.shard, spec, cap)
+        per_shard = cap if fixed_rows else bucket(max(map(len, groups)), row_buckets)
         rows = spec.num_shards * per_shard
         layout: list[PagedSeq | None] = [None] * rows
         tokens = np.zeros((rows, width), np.int32)

@@ -17,7 +17,10 @@ pool smaller than `num_slots * max_len` only costs recomputation, never a conver
 
 Continuous batching: `step()` runs one chunk of decode steps over every generating
 conversation that has pages, as a compact batch bucketed to a power of two per shard;
-conversations waiting on a user or a tool cost nothing but their pages.
+conversations waiting on a user or a tool cost nothing but their pages. With `batch_rows`
+every call has that many rows per shard instead (more conversations: more calls), and
+extends follow each conversation's own width: a conversation's numbers are then the same
+whichever others share its calls, so results do not depend on scheduling (batching.py).
 
 Shared prefixes: `register_prefix(tokens)` (e.g. the system prompt). The first conversation
 that starts with it gets the prefix computed once, for the current params, into pages that
@@ -40,6 +43,7 @@ from muajax.engine import batching, kv_cache
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
 from muajax.engine.programs import Programs, build_spec
+from muajax.engine.warmup import warm_programs
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
 
@@ -88,16 +92,19 @@ class Engine:
     `page_size`: tokens per page (default 128 with the Pallas kernel, else 16);
     `extend_widths`: extend chunk widths (a prompt longer than the widest is extended in
     chunks); `max_extend_tokens`: rows x width of one extend call per shard;
-    `attention`: "auto" (Pallas on TPU), "pallas" or "reference" (see paged_attention.py)."""
+    `attention`: "auto" (Pallas on TPU), "pallas" or "reference" (see paged_attention.py);
+    `batch_rows`: rows per shard of every call (None: bucketed to the conversations in it)."""
 
     def __init__(self, params, cfg: Qwen3Config, *, num_slots: int, max_len: int, mesh=None,
                  stop_ids: Iterable[int] = (IM_END_ID,), decode_chunk: int = 32,
                  extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_extend_tokens: int = 8192,
-                 attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS):
+                 attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS, batch_rows: int | None = None):
         if num_slots < 1 or max_len < 2 or decode_chunk < 1 or not extend_widths or min(extend_widths) < 1:
             raise ValueError(f"need num_slots >= 1, max_len >= 2, decode_chunk >= 1 and extend widths >= 1, got "
                              f"{num_slots}, {max_len}, {decode_chunk}, {tuple(extend_widths)}")
+        if batch_rows is not None and batch_rows < 1:
+            raise ValueError(f"batch_rows must be >= 1 (or None), got {batch_rows}")
         self.params = params  # read directly: assign new params after an update, nothing is copied
         self.cfg, self.num_slots, self.max_len, self.mesh = cfg, num_slots, max_len, mesh
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
@@ -109,7 +116,9 @@ class Engine:
         self.extend_widths = tuple(sorted({min(w, max_len) for w in extend_widths}))
         # Batches are padded per shard to a power of two (at least min_batch_bucket): each bucket
         # is one compilation; a larger minimum trades a little padded work for fewer compilations.
-        self.batch_buckets = batching.buckets(num_slots, min_batch_bucket)
+        # With batch_rows every call has that many rows per shard (see batching.py: fixed rows).
+        self.batch_rows = batch_rows
+        self.batch_buckets = (batch_rows,) if batch_rows else batching.buckets(num_slots, min_batch_bucket)
         self.pool = kv_cache.allocate(pool)
         self.pages = PageTables(PagePool(pool.num_shards, pool.pages_per_shard), self.page_size, pool.max_pages)
         self._programs = Programs(self.spec)
@@ -310,13 +319,20 @@ class Engine:
 
     def _extend(self, seqs: Sequence[PagedSeq], keep_last: bool) -> None:
         for batch in batching.extend_batches(seqs, keep_last, self.spec.pool, self.extend_widths,
-                                             self.batch_buckets, self.max_extend_tokens, self.pages):
+                                             self.batch_buckets, self.max_extend_tokens, self.pages,
+                                             fixed_rows=self.batch_rows is not None):
             self.stats["extend_tokens"] += int(batch.num_new.sum())
             self.stats["extend_calls"] += 1
             args = (batch.page_table, batch.lengths, batch.tokens, batch.num_new)
             self._run(self._programs.extend, args, dense_pages=batch.dense_pages)
 
     def _decode(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
+        """One decode chunk over `ready`, in as many calls as the batch size allows."""
+        shard_of = lambda item: item[0].seq.shard  # noqa: E731
+        return [gen for part in batching.rounds(ready, shard_of, self.spec.pool.num_shards, self.batch_buckets[-1])
+                for gen in self._decode_call(part)]
+
+    def _decode_call(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
         rows = batching.decode_rows(ready, self.spec.pool, self.batch_buckets, self.pages)
         out = self._run(self._programs.decode, rows.arrays, dense_pages=rows.dense_pages)
         tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
@@ -341,9 +357,31 @@ class Engine:
                 state.sampling = None
         return finished
 
+    # ------------------------------------------------------------------ memory and compilation
+    def release_memory(self) -> None:
+        """Free the page pool (e.g. around a train step); it is allocated again on next use.
+        No conversation may be open: their pages would be lost."""
+        if self._slots:
+            raise RuntimeError(f"{len(self._slots)} conversation(s) are open: release them before the pool")
+        self._drop_prefix_copies()
+        if self.pool is not None:
+            self.pool.delete()
+            self.pool = None
+
+    def warmup(self, max_tokens: int | None = None) -> int:
+        """Compile every program a conversation of up to `max_tokens` (default max_len) tokens
+        can need: decode per batch bucket, extend per width and row count, and on the pure-JAX
+        path each of those per gather length. Runs them on rows with nothing to do (the pool is
+        unchanged); returns the number of programs. The engine must be idle."""
+        return warm_programs(self, max_tokens)
+
     def _run(self, program, row_arrays: tuple, **static):
         start = time.perf_counter()
+        if self.pool is None:
+            self.pool = kv_cache.allocate(self.spec.pool)
         args = batching.to_device(row_arrays, self.spec.pool)
+        if self.attention != "reference":  # only the pure-JAX path has gather-length buckets
+            static["dense_pages"] = None
         if program is self._programs.decode:
             self.pool, out = program(self.params, self.pool, self._layer_views(), *args, self._stop_ids, **static)
         else:

@@ -86,8 +86,11 @@ class PoolSpec:
 
 
 def allocate(spec: PoolSpec) -> jax.Array:
-    zeros = functools.partial(jnp.zeros, spec.shape, spec.cfg.compute_dtype)
-    return jax.jit(zeros, out_shardings=spec.sharding(spec.pool_spec()))()
+    # Committed to its device(s) like the pool every program returns: jit caches committed and
+    # uncommitted arguments apart, so an uncommitted first pool would compile each program twice.
+    # Without a mesh: this process's default device (jax.devices()[0] may be another host's).
+    sharding = spec.sharding(spec.pool_spec()) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.jit(functools.partial(jnp.zeros, spec.shape, spec.cfg.compute_dtype), out_shardings=sharding)()
 
 
 def abstract_pool(spec: PoolSpec) -> jax.ShapeDtypeStruct:

@@ -5,7 +5,7 @@ An RL step alternates two phases that share the device:
            state and the reference model (both stay resident between updates), and the
            temporaries of the engine's largest program;
   update   the GRPO step: the train state, the reference model, the KV cache if the engine
-           keeps it through the update (today's trainer does), and the step's batch,
+           keeps it through the update (rollout.keep_kv_pool), and the step's batch,
            temporaries, non-donated outputs and code.
 A program's part is what it needs beyond its resident arguments (`ProgramCost.transient`),
 so the parts of a phase add up to its total and nothing is counted twice. The peak over the
@@ -72,7 +72,7 @@ def update_phase(train: dict[str, int], engine_state: dict[str, int], step: Prog
 def rollout_phase(train: dict[str, int], engine_state: dict[str, int], programs: list[ProgramCost], *,
                   engine_params: int = 0) -> Phase:
     """`engine_params`: bytes of weights the engine holds apart from the train state (0: it
-    reads the train state's params in place, as today's engine does)."""
+    reads the train state's params in place; the copy is dropped before the update)."""
     worst = largest(programs)
     note = "reads the train state's params in place" if engine_params == 0 else "its own copy"
     parts = [Part("engine: params", engine_params, note)]

@@ -40,7 +40,7 @@ class PlanSettings:
     sft_seq: int | None = None       # the SFT step's padded length (None: sft.max_len)
     shared_prefix: int = 0           # tokens every row starts with, computed once
     engine: EngineSettings | None = None  # None: batch slots of seq tokens
-    keep_kv_during_update: bool = True    # the trainer keeps its engine (and pool) for the whole run
+    keep_kv_during_update: bool = False   # rollout.keep_kv_pool: else the pool is freed for the update
     phases: tuple[str, ...] = ("rollout", "update")
     exact_oom: bool = False          # compile programs that cannot fit to the end (slow; compile.py)
 
@@ -80,9 +80,10 @@ def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None
                        if stage in cfg.run.stages)
     # RunContext.engine_slots also counts the evaluation's conversations (trials x eval
     # tasks), which needs the domain's task list: the plan covers the GRPO step's.
-    engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context)
+    engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context, kv_cache_tokens=r.kv_cache_tokens,
+                            page_size=r.page_size, attention=r.attention, mesh=r.mesh)
     values = dict(batch=batch, num_groups=r.tasks_per_step, seq=r.max_context, temperature=r.temperature,
-                  grpo=cfg.grpo, sft=cfg.sft, engine=engine, phases=phases)
+                  grpo=cfg.grpo, sft=cfg.sft, engine=engine, keep_kv_during_update=r.keep_kv_pool, phases=phases)
     return PlanSettings(**{**values, **overrides})
 
 
@@ -171,9 +172,10 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
         flops["grpo"] = train_step_flops(cfg, s.update_rows, s.seq, reference=s.grpo.uses_reference) / n
         engine_state: dict[str, int] = {}
         if "rollout" in s.phases or s.keep_kv_during_update:
-            programs, engine_state = engine_programs(cfg, device_mesh, state.params, s.engine_settings)
+            programs, engine_state, copy_bytes = engine_programs(cfg, device_mesh, state.params, s.engine_settings)
             if "rollout" in s.phases:
-                phases.append(rollout_phase(train, engine_state, [build(p) for p in programs]))
+                phases.append(rollout_phase(train, engine_state, [build(p) for p in programs],
+                                            engine_params=copy_bytes))
         if "update" in s.phases:
             phases.append(update_phase(train, engine_state, build(step), keep_engine_state=s.keep_kv_during_update))
     if "sft" in s.phases:

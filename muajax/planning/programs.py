@@ -8,8 +8,10 @@ abstract sharded arguments (nothing is allocated).
   dtype (float32 master weights when param_dtype is float32).
 - `sft_program`: `muajax.rl.sft.make_sft_step` as `muajax.train.sft.run_sft` calls it.
 - `engine_programs`: `muajax.engine.programs.abstract_programs`, the engine's own decode and
-  extend programs (the Pallas paged attention on a TPU mesh), reading the train state's
-  params in place as the trainer's engine does, with the engine's page pool as its state.
+  extend programs (the Pallas paged attention on a TPU mesh) on the mesh the trainer's
+  engine uses (`muajax.train.rollout_layout.engine_mesh`: one host's devices), reading the
+  params as that engine does (its own compute-dtype copy in its own layout, or the train
+  state's in place), with this host's share of the page pool as its state.
 """
 from __future__ import annotations
 
@@ -29,8 +31,11 @@ from muajax.rl.grpo import GRPOConfig, make_grpo_step
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.rl.step import model_abstract_params
+from muajax.agent.rollout_config import RolloutMeshConfig
+from muajax.models.sharding import param_shardings
+from muajax.train import roles, rollout_layout
 
-DECODE_CHUNK = 16  # muajax.train.roles.DECODE_CHUNK: the trainer's (train sits above planning's inputs)
+DECODE_CHUNK = roles.DECODE_CHUNK
 EXTEND_WIDTHS = (32, 128, 512, 2048)  # the Engine's default extend_widths
 MAX_EXTEND_TOKENS = 8192  # the Engine's default
 
@@ -100,32 +105,62 @@ def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, shared_prefix: i
 class EngineSettings:
     """The engine the trainer builds (`RunContext.engine` -> `make_rollout_engine`)."""
 
-    num_slots: int
+    num_slots: int                      # this host's conversations at once
     max_len: int
-    kv_cache_tokens: int | None = None  # None: the Engine's default, max(num_slots, shards) * max_len
+    kv_cache_tokens: int | None = None  # the run's (rollout.kv_cache_tokens); None: max(num_slots, shards) * max_len
     page_size: int | None = None
     decode_chunk: int = DECODE_CHUNK
     widths: tuple[int, ...] = EXTEND_WIDTHS
     max_extend_tokens: int = MAX_EXTEND_TOKENS
     attention: str = "auto"
+    mesh: RolloutMeshConfig | None = None  # rollout.mesh; None: the trainer's default for the platform
+
+
+def host_devices(devices: list) -> tuple[list, int]:
+    """(the first host's devices, the number of hosts): each host runs its own engine."""
+    hosts = sorted({d.process_index for d in devices})
+    return sorted((d for d in devices if d.process_index == hosts[0]), key=lambda d: d.id), len(hosts)
+
+
+def engine_copy(params, cfg: Qwen3Config, mesh: Mesh):
+    """The abstract params as `RolloutEngine` copies them: in its copy dtype, on `mesh`."""
+    dtype = rollout_layout.copy_dtype(cfg)
+
+    def leaf(path, x, sharding):
+        keep = dtype is None or rollout_layout.stays_fp32(path, cfg)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype if keep else jnp.dtype(dtype), sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, params, param_shardings(cfg, mesh))
 
 
 def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings) -> tuple[list[AbstractProgram],
-                                                                                            dict[str, int]]:
-    """The engine's decode and extend programs as AbstractPrograms, and the bytes per device
-    of its resident state (the page pool). `params`: the train state's abstract params."""
-    spec = build_spec(cfg, mesh, num_slots=engine.num_slots, max_len=engine.max_len,
-                      kv_cache_tokens=engine.kv_cache_tokens, page_size=engine.page_size,
-                      decode_chunk=engine.decode_chunk, attention=engine.attention)
+                                                                                            dict[str, int], int]:
+    """The engine's decode and extend programs as AbstractPrograms, the bytes per device of
+    its resident state (its page pool), and of its own copy of the params (0: it reads the
+    train state's `params` in place)."""
+    devices, hosts = host_devices(list(mesh.devices.flat))
+    local = rollout_layout.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
+    slots = -(-engine.num_slots // hosts)
+    tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)
+    spec = build_spec(cfg, local, num_slots=slots, max_len=engine.max_len, kv_cache_tokens=tokens,
+                      page_size=engine.page_size, decode_chunk=engine.decode_chunk, attention=engine.attention)
     pool = shard_bytes(kv_cache.abstract_pool(spec.pool))
-    state = {f"KV pool ({spec.pool.tokens} tokens, pages of {spec.pool.page_size}, {spec.attention})": pool}
-    calls = abstract_programs(cfg, mesh, kv_cache_tokens=spec.pool.tokens, page_size=spec.pool.page_size,
-                              max_seqs=engine.num_slots, max_len=engine.max_len, widths=engine.widths,
+    layout = "x".join(str(n) for n in local.devices.shape)
+    per_host = " per host" if hosts > 1 else ""
+    state = {f"KV pool ({spec.pool.tokens} tokens{per_host}, pages of {spec.pool.page_size}, {spec.attention}, "
+             f"mesh {layout})": pool}
+    copy_bytes = 0
+    if rollout_layout.copies_params(cfg, local, mesh, hosts > 1):
+        params = engine_copy(params, cfg, local)
+        copy_bytes = shard_bytes(params)
+    calls = abstract_programs(cfg, local, kv_cache_tokens=spec.pool.tokens, page_size=spec.pool.page_size,
+                              max_seqs=slots, max_len=engine.max_len, widths=engine.widths,
                               decode_chunk=engine.decode_chunk, max_extend_tokens=engine.max_extend_tokens,
                               attention=engine.attention, params=params)
-    resident = {"params (the train state's)": shard_bytes(params), **state}
+    which = "its own copy" if copy_bytes else "the train state's"
+    resident = {f"params ({which})": shard_bytes(params), **state}
     # the decode's while_loop runs up to decode_chunk steps: its trip count is not in the HLO
     programs = [AbstractProgram(f"engine {call.name}", call.lower, resident,
                                 engine.decode_chunk if call.name == "decode" else 1,
                                 shard_bytes(call.args) - sum(resident.values())) for call in calls]
-    return programs, state
+    return programs, state, copy_bytes

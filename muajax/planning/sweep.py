@@ -63,7 +63,7 @@ def lower_bound(cfg: Qwen3Config, mesh: dict[str, int], devices: list, settings:
                                shared_prefix=settings.shared_prefix)
     parts = dict(step.resident_args)
     if settings.keep_kv_during_update:
-        _, engine_state = engine_programs(cfg, device_mesh, state.params, settings.engine_settings)
+        _, engine_state, _ = engine_programs(cfg, device_mesh, state.params, settings.engine_settings)
         parts.update({f"engine {n}": b for n, b in engine_state.items()})
     rows = padded_batch(settings.update_rows, k, device_mesh) // k / parallel.batch_divisor(device_mesh)
     t = settings.seq

@@ -57,6 +57,9 @@ class GRPOConfig(Checked):
     # rows per gradient pass within one update: a multiple of data*fsdp (each device takes whole rows)
     microbatch_size: int | None = bounded(None, ge=1)
     logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once
+    # The KL reference model's weights: None = the params' own dtype; "bfloat16" halves its
+    # memory (its logprobs then round like a bfloat16 model's).
+    reference_dtype: Literal["float32", "bfloat16"] | None = None
     # Padded lengths of the rollout batches, one compilation of the step each: a batch takes
     # the shortest that holds its longest rollout. None: 512 doubled up to rollout.max_context.
     length_buckets: tuple[int, ...] | None = None

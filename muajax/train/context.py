@@ -80,20 +80,35 @@ class RunContext:
     def eval_trials(self) -> int:
         return 1 if self.cfg.eval.temperature == 0 else self.cfg.eval.trials
 
-    def engine_slots(self) -> int:
-        """Enough slots for a GRPO step's rollouts and for the evaluation's."""
+    def rollout_slots(self) -> int:
+        """This process's share of a GRPO step's conversations open at once."""
         r = self.cfg.rollout
-        return max(r.num_slots or r.n_per_task * r.tasks_per_step, self.eval_trials() * len(self.eval_tasks()))
+        return -(-(r.num_slots or r.n_per_task * r.tasks_per_step) // jax.process_count())
+
+    def engine_slots(self) -> int:
+        """Enough slots for this process's share of a GRPO step and for the evaluation (which
+        every process runs whole)."""
+        return max(self.rollout_slots(), self.eval_trials() * len(self.eval_tasks()))
 
     def engine(self, params) -> Engine:
-        """The rollout engine, built on first use; it reads `params` (assigned, not copied)."""
+        """The rollout engine, built on first use; `params` are assigned to it (it decodes from
+        its own copy of them, see `muajax.train.rollout_layout`)."""
         if self._engine is None:
-            slots = self.engine_slots()
+            r, slots = self.cfg.rollout, self.engine_slots()
+            # deterministic: every call as wide as this process's share of a step's conversations
             self._engine = make_rollout_engine(None, self.model_cfg, self.mesh, self.tok, num_slots=slots,
-                                               max_len=self.cfg.rollout.max_context,
-                                               min_batch_bucket=min(8, slots))
+                                               max_len=r.max_context, rollout=r, min_batch_bucket=min(8, slots),
+                                               call_rows=self.rollout_slots() if r.deterministic else None)
         self._engine.params = params
         return self._engine
+
+    def engine_idle(self) -> None:
+        """Before a train step: drop the engine's copy of the params, and its page pool unless
+        `rollout.keep_kv_pool`, so the step has their memory."""
+        if self._engine is not None:
+            self._engine.release_params()
+            if not self.cfg.rollout.keep_kv_pool:
+                self._engine.release_memory()
 
     def checkpointer(self, stage: str) -> Checkpointer:
         c = self.cfg.checkpoint

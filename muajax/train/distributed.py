@@ -11,11 +11,12 @@ simulated users and tools, with their own latencies. One engine on the global me
 need every process to agree on every such decision (an all-gather of scheduler state
 before each chunk), and a slow user on one host would stall every host.
 
-So each process runs its own Engine on a mesh of its *local* devices (`ProcessLocalEngine`)
-over a replica of the params: when the trainer hands the engine new params, they are
-resharded on device from the training layout to "the local layout, on every process" (one
-all-gather across hosts per step, no host copy), and the processes then decode
-independently, meeting again only when the batch is assembled. The price: a params-sized
+So each process runs its own Engine on a mesh of its *local* devices over a replica of the
+params (`local_replicas`, used by `muajax.train.rollout_layout.RolloutEngine`): when the
+trainer hands the engine new params, they are resharded on device from the training layout
+to "the local layout, on every process" (one all-gather across hosts per step, no host
+copy), and the processes then decode independently, meeting again only when the batch is
+assembled. Each sizes its slots and pool from its own share of the conversations. The price: a params-sized
 transfer per step and a full copy of the params on each host (sharded over its devices),
 so the model must fit one host's memory next to the KV cache.
 
@@ -47,9 +48,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from muajax.models.sharding import param_shardings
 from muajax import parallel
-from muajax.engine.engine import Engine
 from muajax.agent.trajectory import Trajectory, collate
 from muajax.train.batching import pad_rows
 
@@ -254,47 +253,29 @@ def process_devices(process_index: int) -> list:
     return sorted((d for d in jax.devices() if d.process_index == process_index), key=lambda d: d.id)
 
 
-def local_mesh(global_mesh: Mesh) -> Mesh:
-    """A mesh over this process's devices: the global tensor axis if it fits on one host
-    (decode is latency bound: tensor parallelism helps it), fsdp for the rest."""
-    devices = process_devices(jax.process_index())
+def local_mesh(global_mesh: Mesh, devices: list | None = None) -> Mesh:
+    """A mesh over this process's devices (or `devices`, one process's): the global tensor
+    axis if it fits on one host (decode is latency bound: tensor parallelism helps it), fsdp
+    for the rest."""
+    devices = process_devices(jax.process_index()) if devices is None else devices
     tensor = math.gcd(global_mesh.shape["tensor"], len(devices))
     sizes = dict.fromkeys(parallel.MESH_AXES, 1) | {"fsdp": len(devices) // tensor, "tensor": tensor}
     grid = np.array(devices, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, parallel.MESH_AXES, axis_types=(AxisType.Auto,) * len(parallel.MESH_AXES))
 
 
-class ProcessLocalEngine(Engine):
-    """An Engine on this process's devices that is handed params in the training layout.
-
-    Setting `params` reshards them (a collective: every process must set them at the same
-    point of the run) to the local layout on every process at once, then keeps this
-    process's copy. Setting the same tree again does nothing.
-    """
-
-    def __init__(self, params, cfg, *, mesh: Mesh, **kwargs):
-        local = local_mesh(mesh)
-        grid = np.stack([np.array(process_devices(p), dtype=object).reshape(local.devices.shape)
-                         for p in range(jax.process_count())])
-        stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES,
-                       axis_types=(AxisType.Auto,) * (1 + len(parallel.MESH_AXES)))
-        self.local_shardings = param_shardings(cfg, local)
-        # the local layout with the "processes" axis unnamed in every spec: one replica per process
-        self._replica_shardings = jax.tree.map(lambda s: NamedSharding(stacked, s.spec), self.local_shardings)
-        self._source = None
-        self._params = None
-        super().__init__(params, cfg, mesh=local, **kwargs)
-
-    @property
-    def params(self):
-        return self._params
-
-    @params.setter
-    def params(self, params) -> None:
-        if params is None or params is self._source:
-            return
-        replicas = jax.device_put(params, self._replica_shardings)
-        self._params = jax.tree.map(
-            lambda x, s: jax.make_array_from_single_device_arrays(x.shape, s, [sh.data for sh in x.addressable_shards]),
-            replicas, self.local_shardings)
-        self._source = params
+def local_replicas(params, local_shardings):
+    """Each process's own full copy of `params` (a global tree, e.g. the training layout) in
+    the layout `local_shardings` (NamedShardings on this process's `local_mesh`). A collective:
+    every process must call it at the same point of the run. The params are resharded on
+    device to "the local layout, on every process" (one all-gather across hosts, no host
+    copy), then this process keeps its own replica."""
+    local = next(iter(jax.tree.leaves(local_shardings))).mesh
+    grid = np.stack([np.array(process_devices(p), dtype=object).reshape(local.devices.shape)
+                     for p in range(jax.process_count())])
+    stacked = Mesh(grid, ("processes",) + parallel.MESH_AXES, axis_types=(AxisType.Auto,) * (1 + len(parallel.MESH_AXES)))
+    # the local layout with the "processes" axis unnamed in every spec: one replica per process
+    replicas = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(stacked, s.spec), local_shardings))
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_single_device_arrays(x.shape, s, [sh.data for sh in x.addressable_shards]),
+        replicas, local_shardings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from muajax.agent.chat import system_prompt_ids
@@ -140,6 +141,14 @@ def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: in
     return state, {**summary, "updates": float(len(records))}
 
 
+def reference_params(params, grpo, shardings):
+    """The KL reference: a copy of the starting params, in `grpo.reference_dtype` if set."""
+    if grpo.reference_dtype is not None:
+        dtype = jnp.dtype(grpo.reference_dtype)
+        params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings)(params)
+    return jax.device_put(params, shardings)
+
+
 def run_grpo(ctx: RunContext, params):
     """GRPO from `params` (also the KL reference); returns the trained params."""
     cfg, r, g = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo
@@ -156,7 +165,7 @@ def run_grpo(ctx: RunContext, params):
     if g.recompute_old_logprobs and g.minibatch_size is not None:  # one update per step: the loss does it
         old_logprobs_fn = make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g, temperature=max(r.temperature, 1e-6),
                                                shared_prefix=prefix, microbatches=micro)
-    reference = jax.device_put(params, step_fn.param_shardings) if g.uses_reference else None
+    reference = reference_params(params, g, step_fn.param_shardings) if g.uses_reference else None
     state = step_fn.init_state(params)
     stream = TaskStream(tasks, cfg.run.seed)
     ckpt = ctx.checkpointer("grpo")
@@ -172,7 +181,7 @@ def run_grpo(ctx: RunContext, params):
     def step(state, index):
         t0 = time.time()
         engine = ctx.engine(state.params)
-        device_before = engine.stats["device_s"]
+        before = dict(engine.stats)
         # multi-host: this process rolls out its contiguous share of the step's tasks (one
         # process: all of them) under their global indices, so seeds and group ids are the step's
         position = stream.position
@@ -180,6 +189,7 @@ def run_grpo(ctx: RunContext, params):
         trajectories = run_rollouts_sync(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
                                          seed=step_seed(cfg.run.seed, index), first_task_index=first)
         t_rollout = time.time() - t0
+        ctx.engine_idle()  # the update gets the memory of the engine's params copy (and pool)
         everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
         stop_on_failures(ctx, ckpt, index, state, everyone, position)
         batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, first_group=first,
@@ -196,7 +206,8 @@ def run_grpo(ctx: RunContext, params):
         sampled = int(sum(t.num_sampled for t in trajectories))
         record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
                   "time/rollout_s": t_rollout, "time/update_s": t_update,
-                  "time/engine_busy_share": (engine.stats["device_s"] - device_before) / max(t_rollout, 1e-9),
+                  "time/engine_busy_share": (engine.stats["device_s"] - before["device_s"]) / max(t_rollout, 1e-9),
+                  **{f"engine/{k}": engine.stats[k] - before[k] for k in ("preemptions", "prefix_hits")},
                   "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
                   "data/position": stream.position}
         return state, record

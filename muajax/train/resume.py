@@ -10,8 +10,11 @@ computes in exact arithmetic:
   restore), `model.remat`, `model.attention` (the same function, another kernel),
   `grpo.microbatch_size`, `grpo.logits_chunk`, `sft.microbatch_size` (the same gradient
   in other pieces), and the rollout engine's `rollout.num_slots`, `rollout.tool_workers`,
-  `rollout.overlap_io`, `rollout.user_timeout_s`. These may change float rounding, not the
-  method; a bitwise-equal continuation needs them unchanged too;
+  `rollout.overlap_io`, `rollout.user_timeout_s`, its pool, pages, kernel and layout
+  (`rollout.kv_cache_tokens`, `rollout.kv_cache_share`, `rollout.page_size`,
+  `rollout.attention`, `rollout.mesh`, `rollout.keep_kv_pool`) and its fixed-shape calls
+  (`rollout.deterministic`). These may change float rounding, not the method; a
+  bitwise-equal continuation needs them unchanged too;
 - how the simulated user is reached: `user.base_url`, `user.api_key_env`,
   `user.timeout_s`, `user.max_retries`, `user.max_concurrency`;
 - the stop guards: `grpo.max_consecutive_skips`, `sft.max_consecutive_skips`.
@@ -48,6 +51,8 @@ STAGES = ("sft", "grpo")
 MAY_CHANGE = ("run.name", "run.out_dir", "checkpoint.", "metrics.", "eval.", "env.eval_split", "mesh.",
               "model.remat", "model.attention", "grpo.microbatch_size", "grpo.logits_chunk", "sft.microbatch_size",
               "rollout.num_slots", "rollout.tool_workers", "rollout.overlap_io", "rollout.user_timeout_s",
+              "rollout.kv_cache_tokens", "rollout.kv_cache_share", "rollout.page_size", "rollout.attention",
+              "rollout.mesh", "rollout.mesh.", "rollout.keep_kv_pool", "rollout.deterministic",
               "user.base_url", "user.api_key_env", "user.timeout_s", "user.max_retries", "user.max_concurrency",
               "grpo.max_consecutive_skips", "sft.max_consecutive_skips", "rollout.max_failed_share")
 _ABSENT = "(absent)"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -66,3 +68,40 @@ def test_multiturn_quick():
     # the kept cache and a re-prefill of the whole history give the same greedy conversation
     assert result["same_conversation"] is True
     assert "re-prefill" in stdout
+
+
+def test_generate_max_len_compares_with_a_short_max_len():
+    result, stdout = run_bench("generate", "--no-hf", "--max-len", "2048")
+    base = result["muajax_base"]
+    assert result["config"]["max_len"] == 2048 and base["max_len"] == 512
+    assert positive(base["decode_ms_per_step"]) and positive(result["muajax"]["decode_ms_per_step"])
+    assert math.isclose(result["maxlen_cost_ratio"],
+                        result["muajax"]["decode_ms_per_step"] / base["decode_ms_per_step"], rel_tol=1e-9)
+    assert result["maxlen_same_tokens"] is True  # max_len changes page-table widths, not the numbers
+    assert "max_len 2048" in stdout and "max_len 512" in stdout
+
+
+def test_rollout_quick_prefills_the_shared_system_prompt_once():
+    result, stdout = run_bench("rollout")
+    runs = sum(len(r) for r in result["runs"].values())
+    assert runs == 2 and result["same_conversations"] is True
+    shared = result["prefix_tokens"]
+    assert 0 < shared <= result["system_prompt_tokens"] < shared + 16  # full pages of 16 tokens
+    # one policy version for every run: the prefix is computed once, every conversation hits it
+    assert result["prefix_prefill_tokens"] == shared
+    assert result["prefix_hits"] == runs * result["conversations"]
+    assert positive(result["busy_share"]) and positive(result["baseline_busy_share"])
+
+
+def test_generate_against_tunix_when_an_interpreter_with_it_is_given():
+    """tunix lives in its own environment (its jax pins differ); MUAJAX_TUNIX_PYTHON names it."""
+    python = os.environ.get("MUAJAX_TUNIX_PYTHON")
+    if not python:
+        pytest.skip("MUAJAX_TUNIX_PYTHON is not set (a python with google-tunix)")
+    result, stdout = run_bench("generate", "--no-hf", "--tunix-python", python)
+    assert result["tunix"]["available"] is True and result["tunix"]["version"]
+    # the same checkpoint, greedy, float32: tunix's Sampler picks the very same tokens
+    assert result["tunix_greedy_agree_prefix"] == result["config"]["new"]
+    assert math.isclose(result["tunix_decode_ms_ratio"],
+                        result["muajax"]["decode_ms_per_step"] / result["tunix"]["decode_ms_per_step"], rel_tol=1e-9)
+    assert "tunix" in stdout and "tokens" not in result["tunix"]

@@ -87,8 +87,26 @@ def test_resident_state_is_at_least_its_share(plans, name):
     if name == "data4":  # pure data parallelism replicates the weights
         assert update["train state: params"] == params
     assert update["reference model"] == update["train state: params"]  # the trainer's copy, in the params' dtype
-    pool = next(size for part, size in update.items() if part.startswith("engine: KV pool"))
-    assert pool > 0  # the engine keeps its pool through the update
+    # the engine's copy and its pool are let go before the update (rollout.keep_kv_pool: false)
+    assert not [part for part in update if part.startswith("engine:")]
+    rollout = {p.name: p.bytes for p in plan.phases[0].parts}
+    # RolloutEngine's own copy: bfloat16 (the compute dtype) on the host's default engine mesh,
+    # tensor parallel over the 2 kv heads, data parallel over the rest: half of each weight
+    # matrix per device, at half the width (norms replicated)
+    copy = rollout["engine: params"]
+    assert TINY.num_params() * 2 / 2 <= copy < TINY.num_params() * 2
+    pool = next(name for name in rollout if name.startswith("engine: KV pool"))
+    assert "mesh 2x1x2x1" in pool and rollout[pool] > 0
+
+
+def test_a_pool_kept_through_the_update_is_counted_there(devices):
+    chip = get_chip("v5p")
+    settings = dataclasses.replace(SETTINGS, keep_kv_during_update=True, phases=("update",))
+    plan = plan_run(TINY, devices=devices, mesh=MESHES["fsdp4"], settings=settings, label="tiny",
+                    topology="v5p:2x2x1", chip=chip, hbm_bytes=chip.usable_hbm_bytes)
+    update = {p.name: p.bytes for p in plan.phases[0].parts}
+    pools = [size for part, size in update.items() if part.startswith("engine: KV pool")]
+    assert len(pools) == 1 and pools[0] > 0 and "engine: params" not in update
 
 
 def test_microbatches_pad_like_the_trainer(plans, devices):

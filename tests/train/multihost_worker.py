@@ -27,6 +27,7 @@ from muajax.train.checkpoint import Checkpointer  # noqa: E402
 from muajax.engine.engine import Engine, SamplingParams  # noqa: E402
 from muajax.models.qwen3 import Qwen3Config  # noqa: E402
 from muajax.train.build import initial_params  # noqa: E402
+from muajax.train.rollout_layout import RolloutEngine  # noqa: E402
 from muajax.agent.trajectory import Trajectory, rollout_metrics  # noqa: E402
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -45,8 +46,8 @@ def same_tree(a, b) -> bool:
 def check_engine(mesh) -> dict:
     params = initial_params(CFG, None, mesh, seed=3)
     split = [x for x in jax.tree.leaves(params) if not x.is_fully_replicated]
-    engine = distributed.ProcessLocalEngine(params, CFG, mesh=mesh, num_slots=2, max_len=48, stop_ids=(1,),
-                                            decode_chunk=8)
+    engine = RolloutEngine(params, CFG, mesh=distributed.local_mesh(mesh), train_mesh=mesh, num_slots=2, max_len=48,
+                           stop_ids=(1,), decode_chunk=8)
     first_ok = same_tree(gathered(params), engine.params)
     # a new update reaches the engine through the same setter the trainer uses
     params = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.5 + 0.01, p))(params)

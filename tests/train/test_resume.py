@@ -120,11 +120,13 @@ def test_the_math_keys():
     allowed = ["run.out_dir", "run.name", "checkpoint.every_steps", "checkpoint.dir", "metrics.tensorboard",
                "eval.trials", "env.eval_split", "mesh.fsdp", "model.remat", "model.attention",
                "grpo.microbatch_size", "grpo.logits_chunk", "sft.microbatch_size", "rollout.num_slots",
-               "user.base_url", "user.timeout_s", "grpo.max_consecutive_skips", "sft.max_consecutive_skips"]
+               "user.base_url", "user.timeout_s", "grpo.max_consecutive_skips", "sft.max_consecutive_skips",
+               "rollout.kv_cache_tokens", "rollout.page_size", "rollout.attention", "rollout.mesh",
+               "rollout.mesh.tensor", "rollout.keep_kv_pool", "rollout.deterministic"]
     math = ["run.seed", "run.stages", "model.arch.hidden_size", "model.param_dtype", "model.hf_dir", "model.vocab",
             "env.domain", "env.builtin_seed", "env.train_split", "user.model", "user.temperature", "user.kind",
             "rollout.n_per_task", "rollout.tasks_per_step", "rollout.temperature", "rollout.max_context",
-            "grpo.learning_rate", "grpo.steps", "grpo.kl_coef", "sft.data", "sft.batch_size", "sft.epochs",
+            "grpo.learning_rate", "grpo.steps", "grpo.kl_coef", "grpo.reference_dtype", "sft.data", "sft.batch_size", "sft.epochs",
             "checkpointing.every_steps"]  # a key this list does not know changes the math
     assert [k for k in allowed if not may_change(k)] == []
     assert [k for k in math if may_change(k)] == []

@@ -1,0 +1,56 @@
+"""Compiling an engine's programs before they are needed.
+
+Every static shape a call can take is one compilation, paid (seconds on a CPU host) by
+whichever conversation first needs it: decode per rows bucket, extend per width and rows
+count, and on the pure-JAX path each of those per gather length (`batching.dense_pages`,
+a power of two of the longest row's pages). `warm_programs` runs each of them once on rows
+that have nothing to do (no token to write, no step to take), so the pool is unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from muajax.engine import batching
+
+
+def static_shapes(engine, max_tokens: int | None = None) -> list[tuple[str, int, int, int | None]]:
+    """(program, rows per shard, width, dense pages) of every call a conversation of up to
+    `max_tokens` tokens can make (width 1: decode; dense pages None: the Pallas path)."""
+    spec = engine.spec.pool
+    top = min(max_tokens or engine.max_len, engine.max_len)
+    reference = engine.attention == "reference"
+
+    def dense(low: int):
+        return batching.dense_buckets(spec, low, max(low, top)) if reference else (None,)
+
+    shapes = [("decode", rows, 1, d) for rows in engine.batch_buckets for d in dense(1)]
+    previous = 0
+    for width in engine.extend_widths:
+        if previous >= top:
+            break
+        fixed = engine.batch_rows is not None
+        for rows in batching.extend_rows(width, engine.batch_buckets, engine.max_extend_tokens, fixed):
+            # a call at this width has a row with more tokens than the narrower width holds
+            shapes += [("extend", rows, width, d) for d in dense(previous + 1)]
+        previous = width
+    return shapes
+
+
+def warm_programs(engine, max_tokens: int | None = None) -> int:
+    """Run every call of `static_shapes` once on idle rows; returns how many there were."""
+    spec = engine.spec.pool
+    saved = dict(engine.stats)
+    shapes = static_shapes(engine, max_tokens)
+    for program, rows, width, dense in shapes:
+        total = spec.num_shards * rows
+        table = np.zeros((total, spec.max_pages), np.int32)
+        zeros = np.zeros((total,), np.int32)
+        if program == "decode":
+            ones = np.ones((total,), np.float32)
+            arrays = (table, zeros, zeros, zeros.astype(np.uint32), ones, ones, zeros, zeros, zeros)
+            engine._run(engine._programs.decode, arrays, dense_pages=dense)
+        else:
+            arrays = (table, zeros, np.zeros((total, width), np.int32), zeros)
+            engine._run(engine._programs.extend, arrays, dense_pages=dense)
+    engine.stats.update(saved)
+    return len(shapes)

@@ -1,0 +1,153 @@
+"""The rollout engine's own copy of the policy: its dtype, its layout, its pool.
+
+Training keeps float32 master weights in the FSDP layout, in which every decode step would
+all-gather every layer. The engine decodes from a copy made once per policy update instead:
+- cast to the compute dtype when that is narrower (bfloat16 runs: half the bytes to read per
+  step). The model casts every weight to the compute dtype before using it, so the copy
+  computes the same numbers as the master; with `model.logits_fp32` the LM head stays
+  float32, as the trainer uses it, so the engine's logprobs are the ones it recomputes.
+  float32 runs are not cast.
+- resharded with `jax.device_put` to the rollout mesh (`rollout.mesh`, over one process's
+  devices). Default: tensor parallel over a host's devices on TPU and GPU (decode is latency
+  bound, and tensor parallelism reads each weight once per step without gathering it), as
+  wide as the kv heads split evenly, data parallel over the rest; the training mesh on CPU.
+  With several processes each has its own engine on its own devices and a replica of the
+  params (`distributed.local_replicas`): replicated across hosts, each decoding its share.
+When neither changes anything (one process, the training mesh, no cast) the engine reads
+the live params: no copy. The master weights are never written.
+
+The copy is dropped before each train step (`RolloutEngine.release_params`), and the page
+pool with it unless `rollout.keep_kv_pool` (`RunContext.engine_idle`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from muajax import parallel
+from muajax.agent.rollout_config import RolloutConfig, RolloutMeshConfig
+from muajax.engine.engine import Engine
+from muajax.models.qwen3 import Qwen3Config
+from muajax.models.sharding import param_shardings
+from muajax.train import distributed
+
+
+def default_shape(platform: str, devices: int, cfg: Qwen3Config) -> tuple[int, ...]:
+    """The default rollout mesh's sizes (MESH_AXES order) on an accelerator host."""
+    tensor = max(t for t in range(1, devices + 1) if devices % t == 0 and cfg.num_kv_heads % t == 0)
+    return devices // tensor, 1, tensor, 1
+
+
+def rollout_mesh(config: RolloutMeshConfig | None, train_mesh: Mesh, cfg: Qwen3Config) -> Mesh:
+    """The engine's mesh over this process's devices (see the module docstring)."""
+    multi = distributed.multiprocess()
+    devices = (distributed.process_devices(jax.process_index()) if multi
+               else list(train_mesh.devices.flat))
+    return engine_mesh(config, train_mesh, cfg, devices=devices, multiprocess=multi)
+
+
+def engine_mesh(config: RolloutMeshConfig | None, train_mesh: Mesh, cfg: Qwen3Config, *, devices: list,
+                multiprocess: bool) -> Mesh:
+    """The mesh an engine on `devices` (one process's) uses; the planner calls it with one
+    host's devices of a topology it compiles for."""
+    platform = devices[0].platform
+    if config is None and platform == "cpu":
+        return distributed.local_mesh(train_mesh, devices) if multiprocess else train_mesh
+    if config is None:
+        shape = default_shape(platform, len(devices), cfg)
+    else:
+        # decode runs no sequence axis: each conversation's rows stay on its devices
+        shape = parallel.resolve_mesh_shape(config.data, config.fsdp, config.tensor, 1, len(devices))
+    if not multiprocess and shape == tuple(train_mesh.devices.shape):
+        return train_mesh
+    return parallel.make_mesh(*shape, devices=devices)
+
+
+def copies_params(cfg: Qwen3Config, mesh: Mesh, train_mesh: Mesh, multiprocess: bool) -> bool:
+    """Whether the engine decodes from its own copy rather than the live params."""
+    return copy_dtype(cfg) is not None or mesh is not train_mesh or multiprocess
+
+
+def copy_dtype(cfg: Qwen3Config):
+    """The dtype of the engine's copy, or None to keep the params' own."""
+    narrower = jnp.dtype(cfg.compute_dtype).itemsize < jnp.dtype(cfg.weight_dtype).itemsize
+    return cfg.compute_dtype if narrower else None
+
+
+def stays_fp32(path, cfg: Qwen3Config) -> bool:
+    """Whether the leaf at `path` stays float32 in the engine's copy (the LM head with logits_fp32)."""
+    head = "embed" if cfg.tie_word_embeddings else "lm_head"
+    return cfg.logits_fp32 and getattr(path[0], "key", None) == head
+
+
+def cast_params(params, cfg: Qwen3Config, dtype):
+    """`params` in `dtype` (the LM head kept with `logits_fp32`), in their own layout."""
+    def cast(tree):
+        return jax.tree_util.tree_map_with_path(lambda p, x: x if stays_fp32(p, cfg) else x.astype(dtype), tree)
+
+    return jax.jit(cast, out_shardings=jax.tree.map(lambda x: x.sharding, params))(params)
+
+
+class RolloutEngine(Engine):
+    """An Engine handed the training params: it decodes from its own copy (module docstring),
+    made when params are assigned; assigning the same tree again does nothing. With several
+    processes the copy is a collective: every process assigns at the same point of the run."""
+
+    def __init__(self, params, cfg: Qwen3Config, *, mesh: Mesh, train_mesh: Mesh, **kwargs):
+        self.copy_dtype = copy_dtype(cfg)
+        self.param_shardings = param_shardings(cfg, mesh)
+        self.copies = copies_params(cfg, mesh, train_mesh, distributed.multiprocess())
+        self._layout_cfg, self._source, self._params = cfg, None, None
+        super().__init__(params, cfg, mesh=mesh, **kwargs)
+
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, params) -> None:
+        if params is None or params is self._source:
+            return
+        self._params = self._copy(params) if self.copies else params
+        self._source = params
+
+    def _copy(self, params):
+        if self.copy_dtype is not None:
+            params = cast_params(params, self._layout_cfg, self.copy_dtype)
+        if distributed.multiprocess():
+            return distributed.local_replicas(params, self.param_shardings)
+        return jax.device_put(params, self.param_shardings)
+
+    def release_params(self) -> None:
+        """Let go of the params (the copy's memory); the next assignment makes a new copy."""
+        self._params = self._source = None
+
+
+def free_device_bytes(mesh: Mesh) -> int | None:
+    """The least free memory of the mesh's devices, or None where the backend does not say."""
+    free = []
+    for device in mesh.devices.flat:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
+
+
+def pool_tokens(rollout: RolloutConfig, cfg: Qwen3Config, mesh: Mesh) -> int | None:
+    """This process's page pool in tokens: its share of `rollout.kv_cache_tokens`, or
+    `rollout.kv_cache_share` of each device's free memory; None: the engine's default."""
+    if rollout.kv_cache_tokens is not None:
+        return -(-rollout.kv_cache_tokens // jax.process_count())
+    if rollout.kv_cache_share is None:
+        return None
+    free = free_device_bytes(mesh)
+    if free is None:
+        print(f"[rollout] {mesh.devices.flat[0].platform} devices report no free memory: rollout.kv_cache_share "
+              "is ignored, the pool holds every slot at max_context", flush=True)
+        return None
+    tensor = mesh.shape["tensor"]
+    split = tensor if cfg.num_kv_heads % tensor == 0 else 1  # the pool's head axis (kv_cache.PoolSpec)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize // split
+    return int(rollout.kv_cache_share * free // per_token) * parallel.batch_divisor(mesh)
