@@ -168,7 +168,7 @@ def print_summary(name: str, summary: dict[str, Any], trials: int) -> None:
     dedup = summary.get("dedup")
     if dedup:
         print(f"  without the split twins ({', '.join(dedup['removed'])}): {dedup['tasks']} tasks, "
-              + ", ".join(f"pass^{k} {dedup[f'pass^{k}']:.4f}" for k in range(1, trials + 1)))
+              + ", ".join(f"pass^{k} {dedup[f'pass^{k}']:.4f}" for k in range(1, trials + 1) if f"pass^{k}" in dedup))
     if "partial" in summary:
         print(f"  partial (TCR): {summary['partial']:.4f}   average turns: {summary['turns']:.2f}")
         calls = summary["calls_per_tool"]

@@ -10,9 +10,11 @@ agent or user stop scores 0). pass^k is τ2's own metric (`compute_metrics`), pe
 over the split's tasks `trials` times each; the de-duplicated score is the same metric
 without the split twins (`muajax.domains.tau2.twins`).
 
-A simulation that raises (e.g. a conversation longer than the served context) is scored 0
-as τ2's `skip_failed_samples` does, and counted in `skipped`; when every simulation of a
-domain failed, the evaluation stops (the user endpoint is down, ...).
+A simulation that raises (e.g. a conversation longer than the served context, or an agent
+reply with neither text nor a call) is scored 0 as τ2's `skip_failed_samples` does, and
+counted in `skipped`. When every simulation of a domain failed, one short request asks the
+user endpoint whether it answers: if not, the evaluation stops and says why; if it does, the
+agent's replies were at fault and the zeros stand.
 
 Each domain's results (τ2's `Results`, every conversation) are written as JSON with the API
 keys removed: τ2 records its LLM arguments in the results' info.
@@ -28,6 +30,7 @@ from typing import Any
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm would otherwise use the network
 
+import litellm  # noqa: E402
 from tau2.evaluator.evaluator import EvaluationType  # noqa: E402
 from tau2.metrics.agent_metrics import compute_metrics  # noqa: E402
 from tau2.run import get_tasks, run_tasks  # noqa: E402
@@ -94,6 +97,19 @@ def user_llm(user: UserConfig) -> tuple[str, dict[str, Any]]:
     return model, args
 
 
+def user_unreachable(model: str, args: dict[str, Any]) -> str | None:
+    """Why the user LLM does not answer one short request, or None when it does."""
+    probe = {k: v for k, v in args.items() if k != "temperature"}
+    try:
+        litellm.completion(model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=1, **probe)
+    except Exception as e:  # noqa: BLE001 - any failure to answer is the finding
+        message = str(e)[:300]
+        if args.get("api_key"):  # an endpoint may quote the key it refused
+            message = message.replace(args["api_key"], "***")
+        return f"{type(e).__name__}: {message}"
+    return None
+
+
 def _metrics(results) -> dict[str, Any]:
     metrics = compute_metrics(results)
     return {"tasks": len({s.task_id for s in results.simulations}), "avg_reward": float(metrics.avg_reward),
@@ -125,8 +141,14 @@ def _run_domain(request: Tau2ProtocolRequest, server_url: str, domain: str, user
                         seed=request.seed, log_level="ERROR", skip_failed_samples=True)
     skipped = sum(bool(s.skipped) for s in results.simulations)
     if skipped == len(results.simulations):
-        raise ConnectionError(f"every τ2 simulation of {domain} failed (errors above): is the user endpoint "
-                           f"{user.base_url or user.model} up?")
+        down = user_unreachable(user_model, user_args)
+        if down:
+            raise ConnectionError(f"every τ2 simulation of {domain} failed, and the user endpoint "
+                                  f"{user.base_url or user.model} does not answer: {down}")
+        # τ2 raises on some agent replies (an empty message, neither text nor a call): those are
+        # the agent's failures, scored 0, not a reason to stop
+        print(f"every τ2 simulation of {domain} failed while the user endpoint answers: the agent's "
+              f"replies are at fault (each scored 0)", flush=True)
     figures = {"domain": domain, "split": request.split, "trials": request.trials, **_metrics(results),
                "simulations": len(results.simulations), "skipped": skipped,
                "terminations": dict(Counter(s.termination_reason.value for s in results.simulations)),
@@ -135,7 +157,9 @@ def _run_domain(request: Tau2ProtocolRequest, server_url: str, domain: str, user
     if twins:
         kept = results.model_copy(update={"tasks": [t for t in results.tasks if t.id not in twins],
                                           "simulations": [s for s in results.simulations if s.task_id not in twins]})
-        figures["dedup"] = {**_metrics(kept), "removed": sorted(twins)}
+        # only twins evaluated: nothing is left to score (τ2's metrics need a simulation)
+        scored = _metrics(kept) if kept.simulations else {"tasks": 0}
+        figures["dedup"] = {**scored, "removed": sorted(twins)}
     figures["wall_s"] = round(time.time() - start, 2)
     out = _out_path(request, domain)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -74,6 +75,36 @@ def test_tau2_protocol_on_airline_tasks_with_an_http_user(tmp_path_factory, tmp_
             assert messages[2]["tool_calls"][0]["name"] == "calculate" and messages[3]["content"] == "5.0"
         else:
             assert simulation["termination_reason"] == "user_stop" and simulation["reward_info"]["reward"] == 1.0
+
+
+def run_tau2_eval(checkpoint: str, user_url: str, out, *, tasks: tuple[str, ...]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "muajax.eval", "--protocol", "tau2", "--checkpoint", checkpoint,
+               "--domain", "airline", "--task-ids", *tasks, "--trials", "1", "--user-model", "eval-user",
+               "--user-base-url", user_url, "--max-context", "8192", "--max-new-tokens", "16", "--max-steps", "6",
+               "--slots", "2", "--out", str(out)]
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu")
+    return subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, check=False)
+
+
+def test_an_agent_whose_replies_tau2_refuses_scores_zero_and_a_dead_user_stops(tmp_path_factory, tmp_path):
+    """An agent that answers with an empty message (τ2's orchestrator raises on it) gets 0 on
+    every task, the evaluation finishing; a user endpoint that does not answer stops it."""
+    silent = chain_model(tmp_path_factory, text="")  # greedy, it ends every reply at once
+    with ScriptedOpenAIServer(user_script, model="eval-user") as user:
+        # airline 16's user asks for a change: the agent's empty reply follows (26's user would stop first)
+        proc = run_tau2_eval(silent, user.url, tmp_path / "silent.json", tasks=("16",))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert len(user.chat_requests) >= 1  # the probe (and any user turns) reached it
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])["domains"]["airline"]
+    assert figures["simulations"] == figures["skipped"] == 1 and figures["pass^1"] == 0.0
+    assert figures["dedup"] == {"tasks": 0, "removed": ["16"]}  # 16 is a split twin: nothing left to score
+    assert "the agent's replies are at fault" in proc.stdout
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    proc = run_tau2_eval(silent, dead, tmp_path / "dead.json", tasks=("26",))
+    assert proc.returncode != 0 and "does not answer" in proc.stdout + proc.stderr
 
 
 def test_the_user_tau2_plays(monkeypatch):
