@@ -35,7 +35,7 @@ from muajax.config.schema import SFTConfig, load_config
 from muajax.models.presets import preset_config
 from muajax.models.qwen3 import REMAT_POLICIES, Qwen3Config
 from muajax.planning import report, sweep
-from muajax.planning.chips import get_chip
+from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
 from muajax.planning.run_config import model_from_config

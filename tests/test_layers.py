@@ -1,10 +1,10 @@
 """The package's layers: imports run one way, and no import closes a cycle.
 
-    commands -> {serving, planning} -> train -> config -> {agent, rl} -> domains -> engine -> models -> parallel
+    commands -> {serving, planning} -> train -> config -> {agent, rl} -> domains -> engine -> models -> {parallel, chips}
 
 Every `import` in every module counts, including those inside functions (an import
 deferred to dodge a cycle is still a cycle). A module may import its own package and any
-lower layer; two layers on one rung (agent and rl; serving and planning) may not import
+lower layer; two layers on one rung (agent and rl; serving and planning; parallel and chips) may not import
 each other. Commands are `python -m muajax.X` entry points: nothing imports them.
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "muajax"
 # (module prefix, rung, layer name); the longest matching prefix wins.
 LAYERS = (
     ("muajax.parallel", 0, "parallel"),
+    # facts about accelerators (memory, peak FLOP/s, bandwidths): the planner's and the trainer's
+    ("muajax.chips", 0, "chips"),
     # the generic config machinery: any layer may define its config class with it
     ("muajax.config.fields", 0, "config.machinery"),
     ("muajax.config.loader", 0, "config.machinery"),

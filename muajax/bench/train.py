@@ -5,8 +5,10 @@ tokens, global-norm clip, AdamW, the non-finite guard; jitted with donated state
 1-device mesh). PyTorch runs `Qwen3ForCausalLM(labels=...)`, `clip_grad_norm_` and
 `torch.optim.AdamW` with the same settings, from the same weights. Both losses at the
 first step are compared, so a fast but different computation shows up. Calls alternate
-and medians are reported. Model FLOPs utilisation is measured against the matmul peak of
-this machine, timed in the same run (a large float32 jnp matmul).
+and medians are reported. Model FLOPs utilisation (`muajax.models.flops`: no remat
+recompute, causal attention) is measured against the matmul peak of this machine, timed in
+the same run (a large float32 jnp matmul, `muajax.train.step_metrics.measure_matmul_peak`:
+what the trainer's `perf/mfu` on a CPU is measured against too).
 
 Default size: hidden 512, 8 layers, 8 heads / 4 kv heads of 64, MLP 1536, vocab 32000,
 batch 8 x 512 tokens, float32. `--quick`: a tiny model and 2 rounds (a smoke run).
@@ -15,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
-import time
 
-from muajax.bench.common import (BenchError, block, build_hf_qwen3, fill_size_args, log, machine_info, median, ratio)
+from muajax.bench.common import BenchError, build_hf_qwen3, fill_size_args, log, machine_info, median, ratio
 
 FULL = dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, vocab=32000,
             batch=8, seq=512, repeat=5)
@@ -54,41 +54,6 @@ def build_hf(args):
     return build_hf_qwen3(args).train()
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def timed(fn) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one call, waiting for JAX's async dispatch."""
-    c0, w0 = _cpu_seconds(), time.perf_counter()
-    block(fn())
-    return time.perf_counter() - w0, _cpu_seconds() - c0
-
-
-def matmul_peak(size: int, repeat: int = 5) -> tuple[float, float]:
-    """(FLOP/s, FLOP per CPU-second) of a float32 [n, n] @ [n, n] jnp matmul: the ceiling
-    the model is measured against. Best of `repeat`: the peak is what the hardware does
-    when undisturbed."""
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(keys[0], (size, size), jnp.float32)
-    b = jax.random.normal(keys[1], (size, size), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    block(mm(a, b))
-    walls, cpus = zip(*(timed(lambda: mm(a, b)) for _ in range(repeat)))
-    return 2 * size**3 / min(walls), 2 * size**3 / min(cpus)
-
-
-def train_flops(cfg, batch: int, seq: int) -> float:
-    """Model FLOPs of one step (forward + backward = 3 forwards; no remat recompute)."""
-    from muajax.models.flops import forward_flops
-
-    return 3 * forward_flops(cfg, batch, seq)
-
-
 def run(argv) -> dict:
     args = parse(argv)
     import jax
@@ -97,9 +62,11 @@ def run(argv) -> dict:
 
     from muajax import parallel
     from muajax.models.attention import resolve
+    from muajax.models.flops import train_step_flops
     from muajax.models.hf import load_params
     from muajax.rl.optim import make_optimizer
     from muajax.rl.sft import make_sft_step
+    from muajax.train.step_metrics import measure_matmul_peak, timed
 
     torch.set_num_threads(args.threads)
     cpu = jax.devices("cpu")[0]
@@ -147,7 +114,7 @@ def run(argv) -> dict:
     first = {"muajax": float(muajax_step()), "torch": float(torch_step())}
     for _ in range(args.warmup - 1):
         muajax_step(), torch_step()
-    peaks = [matmul_peak(args.peak_size)]
+    peaks = [measure_matmul_peak(args.peak_size, device=cpu)]
     fns = {"muajax": muajax_step, "torch": torch_step}
     walls, cpus = {n: [] for n in fns}, {n: [] for n in fns}
     for r in range(args.repeat):  # alternate who goes first, so drifting load hits both alike
@@ -155,12 +122,12 @@ def run(argv) -> dict:
             w, c = timed(fns[name])
             walls[name].append(w)
             cpus[name].append(c)
-    peaks.append(matmul_peak(args.peak_size))  # before and after: the best of both
-    peak, peak_per_cpu_s = max(p[0] for p in peaks), max(p[1] for p in peaks)
+    peaks.append(measure_matmul_peak(args.peak_size, device=cpu))  # before and after: the best of both
+    peak, peak_per_cpu_s = max(p.per_second for p in peaks), max(p.per_cpu_second for p in peaks)
 
     t_mj, t_pt = median(walls["muajax"]), median(walls["torch"])
     c_mj, c_pt = median(cpus["muajax"]), median(cpus["torch"])
-    flops = train_flops(cfg, args.batch, args.seq)
+    flops = train_step_flops(cfg, args.batch, args.seq)  # the trainer's count: no remat, causal attention
     result = {
         "ratio": ratio(t_pt, t_mj),  # muajax steps/s over torch steps/s (wall clock)
         "mfu": flops / t_mj / peak,

@@ -265,6 +265,15 @@ class MetricsConfig:
     jsonl: bool = True
     tensorboard: bool = True
     progress_bar: bool = True
+    # [first, last]: a jax.profiler trace of those steps (1-based, inclusive; each stage's own
+    # steps) into <run>/profile (SFT: <run>/sft/profile), for TensorBoard or ui.perfetto.dev
+    profile_steps: tuple[int, ...] | None = None
+
+    def validate(self) -> None:
+        steps = self.profile_steps
+        check(steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]), "profile_steps",
+              f"must be [first, last] with 1 <= first <= last (steps count from 1), or null; got "
+              f"{None if steps is None else list(steps)}")
 
 
 @dataclasses.dataclass(frozen=True)

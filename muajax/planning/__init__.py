@@ -1,7 +1,7 @@
-"""Planning a run on hardware you don't have, and measuring one on hardware you do.
+"""Planning a run on hardware you don't have (the chip table is `muajax.chips`, model FLOPs
+`muajax.models.flops`, the trainer's own measurements `muajax.train.step_metrics`).
 
 topology     TPU slice names -> libtpu's ahead-of-time devices; fake CPU devices
-chips        per-chip HBM, peak FLOP/s, HBM and interconnect bandwidth, with sources
 compile      lower + compile a program from abstract sharded args; memory and costs
 hlo,         collectives by kind and loop trip counts from the compiled HLO; FLOPs and
 hlo_cost       bytes with every loop iteration counted
@@ -11,8 +11,6 @@ phases       rollout and update: what is resident, part by part
 planner      plan_run(): compile a run's programs and sum its phases -> Plan
 sweep        meshes x remat policies, ranked by estimated step time
 report       text tables
-flops        model FLOPs of a forward and of a train step (MFU's numerator)
-step_metrics TFLOP/s and MFU, HBM high-water mark, profiler window: for the trainer
 
 `python -m muajax.plan` is the command over it.
 """

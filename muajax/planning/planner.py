@@ -18,9 +18,9 @@ from collections.abc import Callable
 from muajax import parallel
 from muajax.config.schema import SFTConfig, TrainConfig
 from muajax.models.qwen3 import Qwen3Config
-from muajax.planning.chips import Chip
+from muajax.chips import Chip
 from muajax.planning.compile import ProgramCost, compile_program
-from muajax.planning.flops import train_step_flops
+from muajax.models.flops import train_step_flops
 from muajax.planning.phases import Phase, rollout_phase, update_phase
 from muajax.planning.programs import EngineSettings, engine_programs, grpo_program, padded_batch, sft_program
 from muajax.planning.roofline import roofline

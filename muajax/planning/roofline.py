@@ -3,7 +3,7 @@
 Three terms, per device:
   compute     FLOPs (loops counted) / peak bf16 FLOP/s;
   memory      HBM bytes accessed (loops counted) / HBM bandwidth;
-  collective  sum over collectives of (cost factor x bytes) / ring bandwidth (chips.py).
+  collective  sum over collectives of (cost factor x bytes) / ring bandwidth (muajax/chips.py).
 Collective cost factors, for a bidirectional ring over one mesh axis (the scaling book's
 sharding chapter): all-gather and reduce-scatter move the whole array once (1); an
 all-reduce is a reduce-scatter then an all-gather (2); an all-to-all moves a quarter as
@@ -18,7 +18,7 @@ estimates: they ignore latency, kernel efficiency and the MXU's shape constraint
 """
 from __future__ import annotations
 
-from muajax.planning.chips import Chip
+from muajax.chips import Chip
 from muajax.planning.compile import ProgramCost
 
 COLLECTIVE_FACTORS = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-reduce": 2.0, "all-to-all": 0.25,

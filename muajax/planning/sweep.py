@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 
 from muajax import parallel
 from muajax.models.qwen3 import Qwen3Config
-from muajax.planning.chips import Chip
+from muajax.chips import Chip
 from muajax.planning.compile import COLLECTIVE_SHORT
 from muajax.planning.planner import PlanSettings, plan_run
 from muajax.planning.programs import engine_programs, grpo_program, padded_batch

@@ -25,7 +25,7 @@ from jax._src import (
 )
 from jax.experimental import topologies
 
-from muajax.planning.chips import Chip, get_chip
+from muajax.chips import Chip, get_chip
 
 TPU_EXTRA_HINT = 'pip install -e ".[tpu]"'
 _REEXEC_MARK = "MUAJAX_PLAN_REEXEC"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -25,6 +26,7 @@ from muajax.train.checkpoint import Checkpointer
 from muajax.train.compilation import enable_compilation_cache
 from muajax.train.metrics import MetricsWriter, ProgressBar
 from muajax.train.roles import make_rollout_engine
+from muajax.train.step_metrics import ProfileWindow, device_peak_flops
 
 
 @dataclasses.dataclass
@@ -119,6 +121,17 @@ class RunContext:
         return MetricsWriter(where, jsonl=self.cfg.metrics.jsonl, tensorboard=self.cfg.metrics.tensorboard,
                              is_main_process=self.main,
                              resume_step=start if self.resume else None)
+
+    def profile_window(self, subdir: str | None) -> ProfileWindow:
+        """The `metrics.profile_steps` trace of a stage, into its metrics folder's profile/."""
+        where = os.path.join(self.run_dir, subdir) if subdir else self.run_dir
+        return ProfileWindow(os.path.join(where, "profile"), self.cfg.metrics.profile_steps)
+
+    @functools.cached_property
+    def peak_flops_per_device(self) -> float | None:
+        """What MFU is measured against: the chip's peak, or a CPU's measured matmul peak
+        (measured on first use, once a run); None for an accelerator of unknown peak."""
+        return device_peak_flops(list(self.mesh.devices.flat))
 
     def progress(self, total: int, *, start: int = 0, desc: str | None = None) -> ProgressBar:
         kwargs = {"desc": desc} if desc else {}

@@ -22,6 +22,7 @@ from muajax.agent.chat import system_prompt_ids
 from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.config.fields import config_to_dict
+from muajax.models.flops import forward_flops, train_step_flops
 from muajax.rl.advantages import group_advantages
 from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
@@ -29,8 +30,9 @@ from muajax.train import distributed
 from muajax.train.batching import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_failed,
                                    mask_uniform_groups, microbatch_count, minibatches, pad_to_multiple)
 from muajax.train.context import RunContext
-from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
+from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
+from muajax.train.step_metrics import call_without_compile, perf_record
 
 
 class FailedRolloutsError(RuntimeError):
@@ -119,8 +121,9 @@ FIRST_PASS_KEYS = ("clip_frac", "ratio_abs_dev")
 
 
 def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int, old_logprobs_fn=None):
-    """The step's optimizer update(s); returns the state and the mean of their metrics, with
-    `updates`, their number, and `first_pass/...`, the first update's FIRST_PASS_KEYS.
+    """The step's optimizer update(s); returns the state, the mean of their metrics (with
+    `updates`, their number, and `first_pass/...`, the first update's FIRST_PASS_KEYS), and
+    the [rows, length] of each (mini-)batch as stepped, padding included.
     `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs) replaces every
     mini-batch's old logprobs before the first update."""
     g = ctx.cfg.grpo
@@ -138,7 +141,20 @@ def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: in
             records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
     summary = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
     summary.update({f"first_pass/{k}": records[0][k] for k in FIRST_PASS_KEYS})
-    return state, {**summary, "updates": float(len(records))}
+    return state, {**summary, "updates": float(len(records))}, [tuple(p["tokens"].shape) for p in parts]
+
+
+def update_flops(ctx: RunContext, shapes, *, shared_prefix: int, microbatches: int, recomputed: bool) -> float:
+    """Model FLOPs of a step's updates over (mini-)batches of these [rows, length]: each
+    stepped `grpo.ppo_epochs` times (the reference's forward too when it is kept), plus the
+    forward that recomputes its old logprobs first when `recomputed`."""
+    g, total = ctx.cfg.grpo, 0.0
+    for rows, length in shapes:
+        total += g.ppo_epochs * train_step_flops(ctx.model_cfg, rows, length, reference=g.uses_reference,
+                                                 shared_prefix=shared_prefix, microbatches=microbatches)
+        if recomputed:
+            total += forward_flops(ctx.model_cfg, rows, length, shared_prefix=shared_prefix, prefix_runs=microbatches)
+    return total
 
 
 def reference_params(params, grpo, shardings):
@@ -200,8 +216,11 @@ def run_grpo(ctx: RunContext, params):
         if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
             batch = mask_uniform_groups(batch)
         t1 = time.time()
-        state, metrics = _update(ctx, step_fn, state, batch, reference, divisor, old_logprobs_fn)
+        (state, metrics, shapes), compute_s = call_without_compile(
+            lambda: _update(ctx, step_fn, state, batch, reference, divisor, old_logprobs_fn))
         t_update = time.time() - t1
+        flops = update_flops(ctx, shapes, shared_prefix=prefix, microbatches=micro,
+                             recomputed=old_logprobs_fn is not None)
         trajectories = everyone
         sampled = int(sum(t.num_sampled for t in trajectories))
         record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
@@ -209,10 +228,13 @@ def run_grpo(ctx: RunContext, params):
                   "time/engine_busy_share": (engine.stats["device_s"] - before["device_s"]) / max(t_rollout, 1e-9),
                   **{f"engine/{k}": engine.stats[k] - before[k] for k in ("preemptions", "prefix_hits")},
                   "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
-                  "data/position": stream.position}
+                  "data/position": stream.position,
+                  **perf_record(flops, compute_s, ctx.mesh.size, peak)}
         return state, record
 
-    hooks = [MetricsHook(ctx.metrics_writer(None, start)),
+    peak = ctx.peak_flops_per_device  # before the first step: on a CPU it is measured
+    hooks = [ProfileHook(ctx.profile_window(None)),  # first: the trace ends before the others' work
+             MetricsHook(ctx.metrics_writer(None, start)),
              ProgressHook(ctx.progress(steps, start=start), steps,
                           show=lambda rec: {"reward": rec.get("reward", 0.0), "kl": rec.get("kl", 0.0),
                                             "tokens_per_s": rec["throughput/sampled_tokens_per_s"]},

@@ -21,6 +21,7 @@ from typing import Any
 from muajax.train.checkpoint import Checkpointer
 from muajax.train.compilation import CompileClock
 from muajax.train.metrics import MetricsWriter, ProgressBar
+from muajax.train.step_metrics import ProfileWindow
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class TrainingStopped(RuntimeError):
 
 class Hook:
     """Something done around every step. `step` counts finished steps (1-based)."""
+
+    def before_step(self, step: int) -> None:
+        """Step `step` is about to run (outside its timing)."""
 
     def after_step(self, step: int, state: Any, record: dict[str, float]) -> None:
         pass
@@ -122,6 +126,22 @@ class NonFiniteHook(Hook):
                 "the cause (learning rate, data), then resume from an earlier checkpoint or start again.")
 
 
+class ProfileHook(Hook):
+    """A `jax.profiler` trace of the window's steps (`metrics.profile_steps`)."""
+
+    def __init__(self, window: ProfileWindow):
+        self.window = window
+
+    def before_step(self, step):
+        self.window.step_started(step)
+
+    def after_step(self, step, state, record):
+        self.window.step_finished(step, state)
+
+    def close(self):
+        self.window.close()
+
+
 class CallbackHook(Hook):
     """`fn(step, state, record)` after every step (snapshots, custom logging)."""
 
@@ -141,6 +161,8 @@ def run_steps(state: Any, start: int, total: int, step_fn: StepFn, hooks: Sequen
     clock = CompileClock()
     try:
         for index in range(start, total):
+            for hook in hooks:
+                hook.before_step(index + 1)
             clock.take()
             t0 = time.perf_counter()
             state, record = step_fn(state, index)

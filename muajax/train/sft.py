@@ -17,14 +17,16 @@ from muajax.agent.chat import render_messages_ids
 from muajax.config.fields import config_to_dict
 from muajax.domains.base import WRITES_CONFIRMED
 from muajax.domains.builtin.expert import expert_records
+from muajax.models.flops import train_step_flops
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.train import distributed
 from muajax.train.batching import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, pad_to_multiple,
                                    padded_length, sft_batch)
 from muajax.train.context import RunContext
-from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProgressHook, run_steps
+from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.packing import PackingPlan, pack, packed_batch, plan_packing
+from muajax.train.step_metrics import call_without_compile, perf_record
 from muajax.train.warmup import copy_warmup, domain_warmup
 
 Example = tuple[list[int], list[int]]  # (token ids, assistant mask)
@@ -101,8 +103,9 @@ def run_sft(ctx: RunContext, params):
     prefix = common_prefix([ids for ids, _ in examples])
     plan = plan_batches(ctx, examples, total, prefix)
     micro = microbatch_count(plan.rows, s.microbatch_size, ctx.mesh, "sft.microbatch_size")
+    shared_prefix = 0 if plan.enabled else prefix  # packed rows do not begin alike
     step_fn = make_sft_step(ctx.model_cfg, optimizer_from_config(s, total_steps=total), ctx.mesh, microbatches=micro,
-                            shared_prefix=0 if plan.enabled else prefix, logits_chunk=s.logits_chunk)
+                            shared_prefix=shared_prefix, logits_chunk=s.logits_chunk)
     ckpt = ctx.checkpointer("sft")
     restored = ckpt.restore_latest(step_fn.init_state(params)) if ctx.resume else None
     if restored is not None:
@@ -114,6 +117,7 @@ def run_sft(ctx: RunContext, params):
     else:  # a fresh SFT stage: the warm-ups (if any) come first
         start, state = 0, step_fn.init_state(domain_warmup(ctx, copy_warmup(ctx, params)))
     divisor = batch_divisor(ctx.mesh, micro)
+    peak = ctx.peak_flops_per_device  # before the first step: on a CPU it is measured
 
     def step(state, index):
         chosen = [examples[i] for i in step_examples(len(examples), s.batch_size, seed, index)]
@@ -125,10 +129,20 @@ def run_sft(ctx: RunContext, params):
             batch = sft_batch(chosen, ctx.pad_id, plan.length, context_weight=s.context_weight, context_start=prefix)
         batch = pad_to_multiple(batch, divisor, ctx.pad_id)
         # multi-host: every process built this same batch; each places its own devices' rows
-        state, metrics = step_fn(state, distributed.same_on_every_process(batch, ctx.mesh))
-        return state, {k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"}
+        placed = distributed.same_on_every_process(batch, ctx.mesh)
 
-    hooks = [MetricsHook(ctx.metrics_writer("sft", start)),
+        def update():  # waits for the step: its metrics come to the host
+            new_state, metrics = step_fn(state, placed)
+            return new_state, jax.device_get(metrics)
+
+        (state, metrics), compute_s = call_without_compile(update)
+        rows, length = batch["tokens"].shape
+        flops = train_step_flops(ctx.model_cfg, rows, length, shared_prefix=shared_prefix, microbatches=micro)
+        return state, {**{k: float(v) for k, v in metrics.items() if k != "step"},
+                       **perf_record(flops, compute_s, ctx.mesh.size, peak)}
+
+    hooks = [ProfileHook(ctx.profile_window("sft")),  # first: the trace ends before the others' work
+             MetricsHook(ctx.metrics_writer("sft", start)),
              ProgressHook(ctx.progress(total, start=start), total, show=lambda r: {"loss": r["loss"]},
                           line=lambda i, r: f"[sft] step {i}/{total}, loss {r['loss']:.4f}",
                           every=max(1, total // 10)),

@@ -151,6 +151,11 @@ def test_bad_types_and_choices(override, message):
      r"'env.mcp.servers.s.headers_env.Authorization' must be the NAME of an environment variable"),
     (["sft.microbatch_size=48"], r"'sft.microbatch_size' \(48\) must divide batch_size \(128\)"),
     (["rollout.max_context=50000"], r"'rollout.max_context' \(50000\) exceeds model.arch.max_position_embeddings"),
+    (["metrics.profile_steps=[3, 2]"], r"'metrics.profile_steps' must be \[first, last\] with 1 <= first <= last.*"
+                                       r"got \[3, 2\]"),
+    (["metrics.profile_steps=[0, 1]"], r"'metrics.profile_steps' must be \[first, last\].*got \[0, 1\]"),
+    (["metrics.profile_steps=[2]"], r"'metrics.profile_steps' must be \[first, last\].*got \[2\]"),
+    (["metrics.profile_steps=2"], r"'metrics.profile_steps' must be a list of int"),
 ])
 def test_cross_field_validation(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -9,7 +9,7 @@ import pytest
 from muajax import parallel
 from muajax.config.schema import SFTConfig
 from muajax.models.qwen3 import Qwen3Config
-from muajax.planning.chips import get_chip
+from muajax.chips import get_chip
 from muajax.planning.topology import libtpu_available
 
 pytestmark = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "

@@ -1,6 +1,6 @@
 import pytest
 
-from muajax.planning.chips import get_chip
+from muajax.chips import get_chip
 from muajax.planning.compile import ProgramCost
 from muajax.planning.roofline import roofline
 

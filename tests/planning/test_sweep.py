@@ -7,7 +7,7 @@ import pytest
 
 from muajax import parallel
 from muajax.models.qwen3 import Qwen3Config
-from muajax.planning.chips import get_chip
+from muajax.chips import get_chip
 from muajax.planning.planner import PlanSettings
 from muajax.planning.sweep import lower_bound, mesh_candidates, run_sweep
 from muajax.planning.topology import libtpu_available, parse_topology, tpu_devices

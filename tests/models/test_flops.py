@@ -1,7 +1,7 @@
 import pytest
 
 from muajax.models.qwen3 import Qwen3Config
-from muajax.planning.flops import (
+from muajax.models.flops import (
     attention_pairs,
     forward_flops,
     matmul_params,
@@ -30,3 +30,18 @@ def test_forward_flops_by_hand():
     assert forward_flops(CFG, b, t) == pytest.approx(b * (2 * matmul_params(CFG) * t + attn))
     assert train_step_flops(CFG, b, t, reference=True) == pytest.approx(4 * forward_flops(CFG, b, t))
     assert train_step_flops(CFG, b, t) == pytest.approx(3 * forward_flops(CFG, b, t))
+
+
+def test_a_shared_prefix_runs_once_per_microbatch():
+    b, t, p = 3, 10, 4
+    # one row: the prefix then the rest over all the keys is the whole causal forward
+    assert forward_flops(CFG, 1, t, shared_prefix=p) == pytest.approx(forward_flops(CFG, 1, t))
+    # b rows: b - 1 prefixes fewer through the layers (the head still runs on every position)
+    saved = (b - 1) * (forward_flops(CFG, 1, p) - 2 * CFG.vocab_size * CFG.hidden_size * p)
+    assert forward_flops(CFG, b, t, shared_prefix=p) == pytest.approx(forward_flops(CFG, b, t) - saved)
+    once = forward_flops(CFG, b, t, shared_prefix=p)
+    twice = forward_flops(CFG, b, t, shared_prefix=p, prefix_runs=2)
+    assert twice - once == pytest.approx(forward_flops(CFG, 1, p) - 2 * CFG.vocab_size * CFG.hidden_size * p)
+    assert train_step_flops(CFG, b, t, shared_prefix=p, microbatches=2, reference=True) == pytest.approx(4 * twice)
+    with pytest.raises(ValueError, match="shared prefix"):
+        forward_flops(CFG, b, t, shared_prefix=t)

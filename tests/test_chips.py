@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from muajax.planning.chips import CHIPS, chip_for_device_kind, get_chip
+from muajax.chips import CHIPS, chip_for_device_kind, get_chip
 
 
 def test_every_chip_is_complete_and_usable_below_nominal():
