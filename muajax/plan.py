@@ -25,6 +25,7 @@ phases with their parts, fits, devices, compiler, and each program's costs. Exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -45,6 +46,7 @@ from muajax.rl.grpo import GRPOConfig
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # Flags that describe the run itself: a config describes it instead (change it with --set).
+DEFAULT_LOGITS_CHUNK = 2048  # LM-head positions at a time: never [rows, 32K, 152K] logits
 RUN_FLAGS = ("model", "batch", "groups", "seq", "microbatch", "minibatch", "remat", "param_dtype", "dtype",
              "kl_coef", "logits_chunk", "slots", "max_len", "kv_cache_tokens", "page_size", "sft_batch",
              "sft_microbatch", "keep_kv_pool")
@@ -93,13 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="rollouts per GRPO step (default 256)")
     p.add_argument("--groups", type=int, default=None, help="tasks per step: GRPO groups (default batch / 8)")
     p.add_argument("--seq", type=int, default=None, help="padded sequence length (default 32768)")
-    p.add_argument("--microbatch", type=int, default=None, help="rows per microbatch (default: the whole update)")
+    p.add_argument("--microbatch", type=int, default=None,
+                   help="rows per microbatch (default: one row per batch device, data x fsdp: the least memory)")
     p.add_argument("--minibatch", type=int, default=None, help="rows per optimizer update (default: the batch)")
     p.add_argument("--remat", choices=REMAT_POLICIES, default=None, help="default full")
     p.add_argument("--param-dtype", choices=("float32", "bfloat16"), default=None, help="default float32")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="compute dtype (default bfloat16)")
     p.add_argument("--kl-coef", type=float, default=None, help="0: no reference model (default 0.001)")
-    p.add_argument("--logits-chunk", type=int, default=None, help="grpo.logits_chunk")
+    p.add_argument("--logits-chunk", type=int, default=None,
+                   help=f"grpo.logits_chunk (default {DEFAULT_LOGITS_CHUNK}, as the shipped configs; 0: none)")
     p.add_argument("--slots", type=int, default=None, help="engine KV slots (default: --batch)")
     p.add_argument("--max-len", type=int, default=None, help="engine context length (default: --seq)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="engine pool (default slots x max-len)")
@@ -142,8 +146,9 @@ def model_from_flags(args) -> Qwen3Config:
 
 def settings_from_flags(args) -> PlanSettings:
     batch, seq = _or(args.batch, 256), _or(args.seq, 32768)
+    chunk = _or(args.logits_chunk, DEFAULT_LOGITS_CHUNK) or None
     grpo = GRPOConfig(kl_coef=_or(args.kl_coef, 0.001), microbatch_size=args.microbatch,
-                      minibatch_size=args.minibatch, logits_chunk=args.logits_chunk)
+                      minibatch_size=args.minibatch, logits_chunk=chunk)
     sft = SFTConfig(batch_size=_or(args.sft_batch, 128), microbatch_size=args.sft_microbatch, max_len=seq)
     engine = EngineSettings(num_slots=_or(args.slots, batch), max_len=_or(args.max_len, seq),
                             kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
@@ -151,6 +156,18 @@ def settings_from_flags(args) -> PlanSettings:
                         sft_seq=args.sft_seq, shared_prefix=args.shared_prefix, engine=engine,
                         keep_kv_during_update=bool(args.keep_kv_pool),
                         phases=args.phases or ("rollout", "update"), exact_oom=args.exact_oom)
+
+
+def smallest_microbatches(settings: PlanSettings, args, sizes: dict[str, int]) -> PlanSettings:
+    """Without --microbatch / --sft-microbatch: one row per batch device per microbatch, the
+    least memory a step can take (the trainer splits a step's rows no finer)."""
+    rows = sizes["data"] * sizes["fsdp"]
+    grpo, sft = settings.grpo, settings.sft
+    if args.microbatch is None and settings.update_rows > rows:
+        grpo = dataclasses.replace(grpo, microbatch_size=rows)
+    if args.sft_microbatch is None and sft.batch_size > rows:
+        sft = dataclasses.replace(sft, microbatch_size=rows)
+    return dataclasses.replace(settings, grpo=grpo, sft=sft)
 
 
 def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None]:
@@ -205,6 +222,8 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         print(json.dumps(result["summary"]))
         return result["summary"]
     sizes = dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*mesh.values(), len(devices))))
+    if args.config is None:
+        settings = smallest_microbatches(settings, args, sizes)
     plan = plan_run(cfg, devices=devices, mesh=sizes, settings=settings, label=label, topology=spec.text, chip=chip,
                     hbm_bytes=hbm, log=lambda line: print(line, flush=True))
     print(report.render(plan))

@@ -72,6 +72,15 @@ def test_plan_on_a_v5p_slice():
 
 
 @needs_libtpu
+def test_flag_defaults_take_the_least_memory_a_step_can():
+    # no --microbatch: one row per batch device (fsdp=2: 2 rows) per microbatch; the LM head in chunks
+    out, _ = run_plan(["--model", TINY, "--batch", "8", "--seq", "64", "--topology", "v5p-8", "--mesh",
+                       "fsdp=2,tensor=2", "--phases", "update"])
+    assert out["rows"]["grpo"] == {"batch": 8, "microbatches": 4, "padded": 8}
+    assert out["settings"]["microbatch_size"] == 2 and out["settings"]["logits_chunk"] == 2048
+
+
+@needs_libtpu
 def test_plan_a_run_config_as_the_trainer_runs_it(config):
     out, proc = run_plan(["--config", config])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["topology"] == "v5p:2x2x1" and out["fits"] is True
