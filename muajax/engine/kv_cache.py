@@ -145,8 +145,9 @@ def _gather_local(dense_pages: int, per_layer: bool, pool, page_table, lengths) 
     return KVCache(k, v, lengths)
 
 
-def _scatter_local(width: int, page_size: int, pool, dense: KVCache, page_table, start, count):
-    positions = jnp.clip(start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, dense.max_len - 1)
+def _scatter_local(width: int, page_size: int, from_start: bool, pool, dense: KVCache, page_table, start, count):
+    first = start if from_start else jnp.zeros_like(start)
+    positions = jnp.clip(first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, dense.max_len - 1)
     if dense.per_layer:  # [R, K, D, H] per layer
         pick = lambda x: jnp.take_along_axis(x, positions[:, None, :, None], axis=2)
         k, v = jnp.stack([pick(x) for x in dense.k]), jnp.stack([pick(x) for x in dense.v])
@@ -176,9 +177,11 @@ def gather_dense(spec: PoolSpec, pool, page_table, lengths, dense_pages: int, pe
         pool, page_table, lengths)
 
 
-def scatter_dense(spec: PoolSpec, pool, dense: KVCache, page_table, start, count, width: int):
-    """Write positions [start, start + count) (count <= width) of each row of `dense` into its pages."""
-    fn = functools.partial(_scatter_local, width, spec.page_size)
+def scatter_dense(spec: PoolSpec, pool, dense: KVCache, page_table, start, count, width: int,
+                  from_start: bool = True):
+    """Write positions [start, start + count) (count <= width) of each row of `dense` into its
+    pages. `from_start=False`: `dense` holds just those tokens, at its positions [0, count)."""
+    fn = functools.partial(_scatter_local, width, spec.page_size, from_start)
     rows = spec.rows_spec()
     in_specs = (spec.pool_spec(), dense_spec(spec, dense.per_layer), spec.rows_spec(2), rows, rows)
     return spec.local(fn, in_specs, spec.pool_spec())(pool, dense, page_table, start, count)

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muajax import parallel
-from muajax.engine import batching, kv_cache, paged_attention
+from muajax.engine import batching, dense_decode, kv_cache, paged_attention
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.sampling import sample_tokens
@@ -142,8 +142,21 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
                       top_p, top_k, budget, limit, stop_ids, *, dense_pages):
     """With `layer_params` (per-layer weight buffers, see `Engine._layer_views`) the dense
     cache is gathered per layer and the layers run unrolled, so a step slices nothing out of
-    a stacked array (see `forward`). Without, the layer scan over the stacked params."""
-    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, layer_params is not None)
+    a stacked array (see `forward`). Without, the layer scan over the stacked params.
+    Up to `dense_decode.TAIL_MAX_ROWS` rows, the chunk's new tokens go into a tail instead of
+    the gathered cache (see dense_decode.py)."""
+    per_layer = layer_params is not None
+    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, per_layer)
+    if last.shape[0] <= dense_decode.TAIL_MAX_ROWS:
+        tail = dense_decode.empty_tail(spec.pool, last.shape[0], spec.decode_chunk, per_layer)
+
+        def tail_step(tail, last, num_new, now):
+            return dense_decode.run_step(spec.cfg, params, layer_params, dense, tail, last, now, num_new > 0)
+
+        tail, out = decode_loop(tail_step, tail, lengths, last, seeds, temperature, top_p, top_k, budget, limit,
+                                stop_ids, steps=spec.decode_chunk, max_len=spec.max_len)
+        return kv_cache.scatter_dense(spec.pool, pool, tail, page_table, lengths, out[2], spec.decode_chunk,
+                                      from_start=False), out
     zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
 
     def step(dense, last, num_new, lengths):

@@ -325,14 +325,18 @@ class Qwen3(nn.Module):
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, self.cache_attention, name="layers")
         if layer_params is not None:  # unrolled over per-layer weights and caches (see `forward`)
-            new_cache = ([], [])
-            for index, (weights, k, v) in enumerate(zip(layer_params, *cache_kv)):
-                carry, (k, v) = DecoderLayer(cfg).apply({"params": weights}, LayerCarry(x, None, jnp.int32(index)),
-                                                         (k, v), ctx)
+            per_layer = []
+            for index, (weights, *layer_cache) in enumerate(zip(layer_params, *cache_kv)):
+                carry = LayerCarry(x, None, jnp.int32(index))
+                if self.cache_attention is None:
+                    carry, layer_cache = DecoderLayer(cfg).apply({"params": weights}, carry, tuple(layer_cache), ctx)
+                else:  # the hook reads and returns this layer's own cache parts as its `stacked`
+                    carry, _ = DecoderLayer(cfg, self.cache_attention).apply(
+                        {"params": weights}, carry._replace(stacked=tuple(layer_cache)), None, ctx)
+                    layer_cache = carry.stacked
                 x = carry.x
-                new_cache[0].append(k)
-                new_cache[1].append(v)
-            new_cache = tuple(map(tuple, new_cache))
+                per_layer.append(layer_cache)
+            new_cache = tuple(map(tuple, zip(*per_layer)))
         elif in_place and cache_kv is not None:
             carry, _ = stack(LayerCarry(x, cache_kv, jnp.int32(0)), None, ctx)
             x, new_cache = carry.x, carry.stacked
