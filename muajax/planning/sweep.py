@@ -146,6 +146,10 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
     rows, start = [], time.perf_counter()
     candidates = meshes or mesh_candidates(len(devices))
     log(f"sweep: {len(candidates)} meshes x {len(remats)} remat policies for {label} on {topology}")
+    os.makedirs(out_dir, exist_ok=True)
+    journal = Journal(os.path.join(out_dir, "sweep.partial.jsonl"),
+                      {"model": label, "cfg": repr(cfg), "topology": topology, "devices": len(devices),
+                       "hbm_bytes": hbm_bytes, "settings": repr(settings)}, log)
     for mesh in candidates:
         for remat in remats:
             run_settings = settings
@@ -153,15 +157,19 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
                 per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
                 run_settings = dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo,
                                                                                       microbatch_size=per))
-            row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip, hbm_bytes)
+            row = journal.done.get(_key(mesh, remat))
+            if row is None:
+                row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip,
+                                hbm_bytes)
+                journal.add(row)
             rows.append(row)
             log(f"  {_label(row):<24} {row.status:<8} {fmt_bytes(row.per_device_bytes):>12}"
                 + (f"  {fmt_seconds(row.roofline['estimate_s'])}" if row.roofline else "")
                 + (f"  compiled in {row.compile_s:.0f} s" if row.compile_s else ""))
     ranked = _rank(rows)
     log("\n" + table(ranked, hbm_bytes))
-    os.makedirs(out_dir, exist_ok=True)
     paths = write_outputs(ranked, out_dir, label, topology, hbm_bytes)
+    journal.close()
     count = {status: sum(r.status == status for r in rows) for status in ("fits", "too big", "pruned", "no mesh")}
     pruned = count["pruned"]
     summary = {"model": label, "topology": topology, "devices": len(devices), "hbm_bytes": hbm_bytes,
@@ -173,6 +181,48 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
         f"{count['no mesh']} meshes jax.make_mesh cannot lay on the slice; {summary['compiled']} compiled in "
         f"{summary['wall_s']:.0f} s. Rollout programs are not compiled in a sweep: plan the chosen mesh with --mesh.")
     return {"summary": summary, "rows": [r.flat() for r in ranked]}
+
+
+def _key(mesh: dict[str, int], remat: str) -> str:
+    return json.dumps([sorted(mesh.items()), remat])
+
+
+class Journal:
+    """Each finished configuration, one JSON line as it completes, so that a sweep stopped
+    part-way (hours of compiles on a small machine) resumes where it was: a rerun with the
+    same model, topology and settings takes the rows already there. Removed once the sweep
+    has written its outputs; a journal of another sweep is set aside, not reused."""
+
+    def __init__(self, path: str, fingerprint: dict, log: Callable[[str], None]):
+        self.path, self.done = path, {}
+        header = json.dumps(fingerprint, sort_keys=True)
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = f.read().splitlines()
+            if lines and lines[0] == header:
+                for line in lines[1:]:
+                    try:
+                        row = SweepRow(**json.loads(line))
+                    except (json.JSONDecodeError, TypeError):  # a line cut short by a kill
+                        continue
+                    self.done[_key(row.mesh, row.remat)] = row
+                log(f"sweep: resuming, {len(self.done)} configurations already planned in {path}")
+            else:
+                os.replace(path, path + ".other")
+                log(f"sweep: {path} was another sweep's; moved to {path}.other")
+        if not self.done:
+            with open(path, "w") as f:
+                f.write(header + "\n")
+
+    def add(self, row: SweepRow) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[_key(row.mesh, row.remat)] = row
+
+    def close(self) -> None:
+        os.remove(self.path)
 
 
 def table(rows: list[SweepRow], hbm_bytes: int | None) -> str:

@@ -81,3 +81,39 @@ def test_sweep_ranks_prunes_and_writes(devices, tmp_path):
     with open(os.path.join(tmp_path, "sweep.json")) as f:
         assert json.load(f)["rows"] == json.loads(json.dumps(rows))
     assert os.path.getsize(os.path.join(tmp_path, "sweep.png")) > 10_000
+
+
+@NEEDS_LIBTPU
+def test_a_stopped_sweep_resumes_where_it_was(devices, tmp_path, monkeypatch):
+    from muajax.planning import sweep
+
+    meshes = [{"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 2, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 1}]
+    real, calls = sweep._evaluate, []
+
+    def dies_after_two(*args):
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the sweep is stopped during its third configuration
+        calls.append(args[2])
+        return real(*args)
+
+    run = lambda: run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64),
+                            remats=("full",), topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=None,
+                            out_dir=str(tmp_path), meshes=meshes)
+    monkeypatch.setattr(sweep, "_evaluate", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    journal = tmp_path / "sweep.partial.jsonl"
+    assert len(journal.read_text().splitlines()) == 3  # its header and the two finished rows
+    with open(journal, "a") as f:
+        f.write('{"mesh": {"data": 2')  # a line cut short by kill -9
+    resumed = []
+    monkeypatch.setattr(sweep, "_evaluate", lambda *args: resumed.append(args[2]) or real(*args))
+    out = run()
+    assert resumed == [meshes[2]] and out["summary"]["configs"] == 3
+    assert not journal.exists() and (tmp_path / "sweep.json").exists()
+    fresh = tmp_path / "fresh"
+    again = run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64),
+                      remats=("full",), topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=None,
+                      out_dir=str(fresh), meshes=meshes)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
+    assert strip(again["rows"]) == strip(out["rows"])
