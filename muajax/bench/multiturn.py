@@ -9,8 +9,9 @@ exactly `new` tokens (greedy, no stop token). Two engines, identical options:
   earlier generations included), generates, releases; its prefill grows with the history.
 Both engines get the same extend-width buckets, fine-grained (64, then every 128 tokens)
 so the re-prefill baseline pads at most 127 tokens per prefill: its best case, which
-keeps the speedup conservative. Both decode over the same cache size (max_len), so the
-only difference between the two is the KV reuse.
+keeps the speedup conservative. Both engines are built alike, so the only difference between
+the two is the KV reuse. A kept turn still costs a little more as the history grows: decode
+attends over every cached token (`per_turn_growth` is that growth, last turn over first).
 
 A turn's time is wall time from the first `open`/`append` to the last generation coming
 back, host work included. The two conversations advance turn by turn in alternation
