@@ -44,6 +44,9 @@ def parse(argv) -> argparse.Namespace:
     # the einsum below AUTO_CHUNKED_MIN_LEN positions, chunked from there).
     p.add_argument("--attention", default="auto", choices=("auto", "xla", "chunked", "splash"),
                    help="muajax attention implementation")
+    p.add_argument("--also-attention", default="", metavar="IMPL[,IMPL]",
+                   help="also time muajax with these attention implementations, on the same batch and "
+                        "weights (e.g. xla beside chunked); all of them go in the JSON's attention_s")
     p.add_argument("--peak-size", type=int, default=2048, help="matrix size of the peak-FLOPs matmul")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -84,6 +87,14 @@ def run(argv) -> dict:
     step = make_sft_step(cfg, make_optimizer(LR, weight_decay=WEIGHT_DECAY, grad_clip=CLIP), mesh,
                          with_entropy=False)
     state = step.init_state(params)
+    also = {}  # implementation -> [step, state]: the same weights through another attention
+    for impl in filter(None, (a.strip() for a in args.also_attention.split(","))):
+        name = resolve(impl, num_keys=args.seq, dtype=cfg.compute_dtype, platform="cpu", cache_form=False)
+        if name != attention_used and name not in also:
+            other = make_sft_step(cfg.replace(attention=name), make_optimizer(LR, weight_decay=WEIGHT_DECAY,
+                                                                              grad_clip=CLIP), mesh,
+                                  with_entropy=False)
+            also[name] = [other, other.init_state(params)]
     del params
     rng = np.random.RandomState(args.seed)
     tokens_np = rng.randint(0, args.vocab, (args.batch, args.seq)).astype(np.int64)
@@ -96,6 +107,13 @@ def run(argv) -> dict:
         nonlocal state
         state, metrics = step(state, batch)
         return metrics["loss"]
+
+    def other_step(name):
+        def run():
+            step_fn, st = also[name]
+            also[name][1], metrics = step_fn(st, batch)
+            return metrics["loss"]
+        return run
 
     def torch_step():
         optimizer.zero_grad(set_to_none=True)
@@ -111,11 +129,12 @@ def run(argv) -> dict:
         f"{attention_used} (muajax)")
     # The first call of each is its first step from the shared initial weights (and the
     # warm-up: compilation, allocator).
-    first = {"muajax": float(muajax_step()), "torch": float(torch_step())}
+    fns = {"muajax": muajax_step, "torch": torch_step, **{f"muajax {n}": other_step(n) for n in also}}
+    first = {name: float(fn()) for name, fn in fns.items()}
     for _ in range(args.warmup - 1):
-        muajax_step(), torch_step()
+        for fn in fns.values():
+            fn()
     peaks = [measure_matmul_peak(args.peak_size, device=cpu)]
-    fns = {"muajax": muajax_step, "torch": torch_step}
     walls, cpus = {n: [] for n in fns}, {n: [] for n in fns}
     for r in range(args.repeat):  # alternate who goes first, so drifting load hits both alike
         for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
@@ -153,6 +172,8 @@ def run(argv) -> dict:
         "config": {k: getattr(args, k) for k in FULL if k != "repeat"},
         "remat": args.remat,
         "attention": attention_used,
+        # median seconds per step of each muajax attention timed (--also-attention)
+        "attention_s": {attention_used: t_mj, **{n: median(walls[f"muajax {n}"]) for n in also}},
         "quick": args.quick,
         **machine_info(),
     }
@@ -164,6 +185,12 @@ def run(argv) -> dict:
         f"{peak / 1e9:.1f} GFLOP/s, {peak_per_cpu_s / 1e9:.1f} GFLOP per CPU-s; {flops / 1e9:.1f} GFLOP per step; "
         f"first loss {first['muajax']:.5f} vs {first['torch']:.5f}; "
         f"load avg {result['load_avg_1m']} on {result['cpu_count']} cores")
+    for name in also:
+        log(f"muajax with {name} attention: median {result['attention_s'][name]:.3f} s; {attention_used} "
+            f"{t_mj:.3f} s ({attention_used} / {name} {ratio(result['attention_s'][name], t_mj):.3f}x the speed)")
+        if not abs(first[f"muajax {name}"] - first["muajax"]) < 1e-4 * max(1.0, abs(first["muajax"])):
+            raise BenchError(f"first-step losses differ between attentions: {attention_used} {first['muajax']:.6g}, "
+                             f"{name} {first[f'muajax {name}']:.6g}")
     if not abs(first["muajax"] - first["torch"]) < 1e-3 * max(1.0, abs(first["torch"])):
         raise BenchError(f"first-step losses differ: muajax {first['muajax']:.6g} vs torch {first['torch']:.6g}; "
                          "the two are not training the same model, so the timings would be meaningless")

@@ -76,3 +76,14 @@ def test_interleave_warms_up_then_alternates_who_goes_first():
     assert common.median([3.0, 1.0, 100.0]) == 3.0 and math.isnan(common.ratio(1.0, 0.0))
     with pytest.raises(common.BenchError):
         common.interleave(fns, repeat=0)
+
+
+def test_train_quick_times_muajax_beside_torch_and_another_attention():
+    proc, out = run_bench("train", "--quick", "--attention", "chunked", "--also-attention", "xla")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert out["benchmark"] == "train" and out["attention"] == "chunked"
+    assert set(out["attention_s"]) == {"chunked", "xla"} and all(s > 0 for s in out["attention_s"].values())
+    assert out["attention_s"]["chunked"] == out["muajax_median_s"]
+    assert out["ratio"] == pytest.approx(out["torch_median_s"] / out["muajax_median_s"])
+    assert 0 < out["mfu"] and abs(out["first_loss_muajax"] - out["first_loss_torch"]) < 1e-3
+    assert "with xla attention" in proc.stdout
