@@ -21,6 +21,9 @@ from tests.support.openai_server import ScriptedOpenAIServer
 
 OPENING = "Hi, I need help with my reservation."
 SECRET = "sk-test-not-a-real-key-7f3a"
+# the command runs this checkout's muajax, installed or not
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHONPATH = os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))
 STOPPER = "Amelia Sanchez"  # airline 26's user: she stops at once, and her task needs no change
 
 
@@ -44,7 +47,8 @@ def test_tau2_protocol_on_airline_tasks_with_an_http_user(tmp_path_factory, tmp_
                    "--domain", "airline", "--task-ids", "26", "16", "--trials", "2", "--config", str(config),
                    "--max-context", "8192", "--max-new-tokens", "64", "--max-steps", "6", "--slots", "2",
                    "--out", str(tmp_path / "airline.json")]
-        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu", MUAJAX_TEST_USER_KEY=SECRET)
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu", MUAJAX_TEST_USER_KEY=SECRET,
+                   PYTHONPATH=PYTHONPATH)
         proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                               stdin=subprocess.DEVNULL, check=False)
         stdout = proc.stdout
@@ -82,7 +86,7 @@ def run_tau2_eval(checkpoint: str, user_url: str, out, *, tasks: tuple[str, ...]
                "--domain", "airline", "--task-ids", *tasks, "--trials", "1", "--user-model", "eval-user",
                "--user-base-url", user_url, "--max-context", "8192", "--max-new-tokens", "16", "--max-steps", "6",
                "--slots", "2", "--out", str(out)]
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", JAX_PLATFORMS="cpu", PYTHONPATH=PYTHONPATH)
     return subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300,
                           stdin=subprocess.DEVNULL, check=False)
 
