@@ -42,14 +42,13 @@ def empty_tail(spec: PoolSpec, rows: int, width: int, per_layer: bool) -> KVCach
     """Zero keys and values for `width` positions per row, laid out like the dense prefix."""
     c = spec.cfg
     shape = (rows, c.num_kv_heads, width, c.head_dim)
-    layout = kv_cache.dense_spec(spec, per_layer)
     lengths = jnp.zeros((rows,), jnp.int32)
     if per_layer:
         zeros = tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers))
         return KVCache(zeros, zeros, lengths)
     zeros = jnp.zeros((c.num_layers, *shape), c.compute_dtype)
     if spec.mesh is not None:
-        zeros = jax.lax.with_sharding_constraint(zeros, spec.sharding(layout.k))
+        zeros = jax.lax.with_sharding_constraint(zeros, spec.sharding(kv_cache.dense_spec(spec, False).k))
     return KVCache(zeros, zeros, lengths)
 
 
