@@ -210,9 +210,10 @@ class Journal:
             else:
                 os.replace(path, path + ".other")
                 log(f"sweep: {path} was another sweep's; moved to {path}.other")
-        if not self.done:
-            with open(path, "w") as f:
-                f.write(header + "\n")
+        # rewritten whole: a line cut short by a kill would otherwise swallow the next row appended
+        with open(path, "w") as f:
+            f.write(header + "\n")
+            f.writelines(json.dumps(dataclasses.asdict(row)) + "\n" for row in self.done.values())
 
     def add(self, row: SweepRow) -> None:
         with open(self.path, "a") as f:
