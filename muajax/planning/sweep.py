@@ -2,7 +2,8 @@
 rank them by the GRPO update's estimated step time.
 
 Every factorization of the device count over `parallel.MESH_AXES` (so an axis added there
-is swept too) is tried with every remat policy. Before compiling, an analytic lower bound
+is swept too) is tried with the first remat policy; the others are tried on the fastest few
+meshes that fit (`refine`), or on every mesh. Before compiling, an analytic lower bound
 prunes what cannot fit: the resident state (train state, reference, KV cache), exact from
 the shardings, plus what the update's backward pass cannot avoid holding at once — every
 layer's input, which the layer scan saves for the backward (compute dtype [rows, T, D]
@@ -140,32 +141,46 @@ def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm) -> Sweep
 
 def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSettings, remats: tuple[str, ...],
               topology: str, chip: Chip | None, hbm_bytes: int | None, out_dir: str,
-              meshes: list[dict[str, int]] | None = None, log: Callable[[str], None] = lambda _: None) -> dict:
-    """Plan every mesh (default: `mesh_candidates`) x remat policy; write sweep.csv, sweep.json
-    and sweep.png into out_dir."""
+              meshes: list[dict[str, int]] | None = None, refine: int | None = None,
+              log: Callable[[str], None] = lambda _: None) -> dict:
+    """Plan every mesh (default: `mesh_candidates`) with remats[0], then the other remat
+    policies on the `refine` meshes that rank fastest among those that fit (every mesh when
+    refine is None); write sweep.csv, sweep.json and sweep.png into out_dir.
+
+    Two stages because a compile at the paper's scale takes 40-90 s on a small machine and
+    the mesh decides the collectives, which dominate the estimate; the remat policy mostly
+    trades memory for recompute on a mesh already chosen."""
     rows, start = [], time.perf_counter()
     candidates = meshes or mesh_candidates(len(devices))
-    log(f"sweep: {len(candidates)} meshes x {len(remats)} remat policies for {label} on {topology}")
+    stage2 = len(remats) - 1 if refine is None else min(refine, len(candidates)) * (len(remats) - 1)
+    log(f"sweep: {len(candidates)} meshes with remat {remats[0]}"
+        + (f", then {', '.join(remats[1:])} on " + ("every mesh" if refine is None else f"the {refine} fastest")
+           if len(remats) > 1 else "") + f", for {label} on {topology} (at most {len(candidates) + stage2} plans)")
     os.makedirs(out_dir, exist_ok=True)
     journal = Journal(os.path.join(out_dir, "sweep.partial.jsonl"),
                       {"model": label, "cfg": repr(cfg), "topology": topology, "devices": len(devices),
                        "hbm_bytes": hbm_bytes, "settings": repr(settings)}, log)
-    for mesh in candidates:
-        for remat in remats:
-            run_settings = settings
-            if settings.grpo.microbatch_size is None:  # one row per batch-sharded device per microbatch
-                per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
-                run_settings = dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo,
-                                                                                      microbatch_size=per))
-            row = journal.done.get(_key(mesh, remat))
-            if row is None:
-                row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip,
-                                hbm_bytes)
-                journal.add(row)
-            rows.append(row)
-            log(f"  {_label(row):<24} {row.status:<8} {fmt_bytes(row.per_device_bytes):>12}"
-                + (f"  {fmt_seconds(row.roofline['estimate_s'])}" if row.roofline else "")
-                + (f"  compiled in {row.compile_s:.0f} s" if row.compile_s else ""))
+
+    def plan(mesh: dict[str, int], remat: str) -> SweepRow:
+        run_settings = settings
+        if settings.grpo.microbatch_size is None:  # one row per batch-sharded device per microbatch
+            per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
+            run_settings = dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo, microbatch_size=per))
+        row = journal.done.get(_key(mesh, remat))
+        if row is None:
+            row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip, hbm_bytes)
+            journal.add(row)
+        log(f"  {_label(row):<24} {row.status:<8} {fmt_bytes(row.per_device_bytes):>12}"
+            + (f"  {fmt_seconds(row.roofline['estimate_s'])}" if row.roofline else "")
+            + (f"  compiled in {row.compile_s:.0f} s" if row.compile_s else ""))
+        return row
+
+    rows = [plan(mesh, remats[0]) for mesh in candidates]
+    fitting = [r.mesh for r in _rank(rows) if r.status == "fits"]
+    chosen = fitting if refine is None else fitting[:refine]
+    if len(remats) > 1 and chosen:
+        log(f"sweep: remat {', '.join(remats[1:])} on {len(chosen)} meshes")
+    rows += [plan(mesh, remat) for mesh in chosen for remat in remats[1:]]
     ranked = _rank(rows)
     log("\n" + table(ranked, hbm_bytes))
     paths = write_outputs(ranked, out_dir, label, topology, hbm_bytes)
@@ -175,6 +190,7 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
     summary = {"model": label, "topology": topology, "devices": len(devices), "hbm_bytes": hbm_bytes,
                "compiler": devices[0].platform, "configs": len(rows), "pruned": pruned, "no_mesh": count["no mesh"],
                "compiled": count["fits"] + count["too big"], "fitting": count["fits"],
+               "refined_meshes": len(chosen) if len(remats) > 1 else 0,
                "best": ranked[0].flat() if ranked and ranked[0].status == "fits" else None,
                "wall_s": round(time.perf_counter() - start, 1), **paths}
     log(f"{pruned} of {len(rows)} configurations pruned by the analytic lower bound before compiling, "

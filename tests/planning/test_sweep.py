@@ -117,3 +117,23 @@ def test_a_stopped_sweep_resumes_where_it_was(devices, tmp_path, monkeypatch):
                       out_dir=str(fresh), meshes=meshes)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
     assert strip(again["rows"]) == strip(out["rows"])
+
+
+@NEEDS_LIBTPU
+def test_other_remats_are_tried_on_the_fastest_meshes_only(devices, tmp_path, monkeypatch):
+    from muajax.planning import sweep
+
+    meshes = [{"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 2, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 1}]
+    real, calls = sweep._evaluate, []
+    monkeypatch.setattr(sweep, "_evaluate", lambda *args: calls.append((args[2], args[0].remat)) or real(*args))
+    run = lambda refine, out: run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64),
+                                        remats=("full", "dots"), topology="v5p:2x2x1", chip=get_chip("v5p"),
+                                        hbm_bytes=None, out_dir=str(tmp_path / out), meshes=meshes, refine=refine)
+    out = run(1, "one")
+    assert calls[:3] == [(m, "full") for m in meshes] and len(calls) == 4
+    full = [r for r in out["rows"] if r["remat"] == "full"]
+    fastest = {a: full[0][a] for a in meshes[0]}
+    assert calls[3] == (fastest, "dots")  # the mesh that ranked first with the first policy
+    assert out["summary"]["configs"] == 4 and out["summary"]["refined_meshes"] == 1
+    calls.clear()
+    assert run(None, "all")["summary"]["configs"] == 6 and sorted(r for _, r in calls) == ["dots"] * 3 + ["full"] * 3
