@@ -67,6 +67,20 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(keys >= threshold[:, None], scaled, NEG_INF)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` (the first maximum; the first NaN if there is one) as a max
+    and a min: XLA:CPU runs argmax's variadic (value, index) reduction 3-4x slower than
+    these two plain ones (1.2 against 0.3 ms over [8, 32000]), once or twice a decode step."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hit = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
+def _categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+    # jax.random.categorical's Gumbel-max draw, the same numbers, with first_argmax
+    return first_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_p: jax.Array,
                   top_k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [B, V]; keys [B] (typed PRNG keys); per-row temperature/top_p/top_k [B].
@@ -84,6 +98,6 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     # A draw costs one random number per vocabulary entry and row, most of a decode step for
     # a small model: skip it when every row is greedy (the draws would be discarded).
     drawn = jax.lax.cond(jnp.all(greedy), lambda k, f: jnp.zeros(f.shape[:1], jnp.int32),
-                         lambda k, f: jax.vmap(jax.random.categorical)(k, f).astype(jnp.int32), keys, filtered)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+                         lambda k, f: jax.vmap(_categorical)(k, f).astype(jnp.int32), keys, filtered)
+    tokens = jnp.where(greedy, first_argmax(logits), drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muajax.engine.sampling import NEG_INF, _filter_top_k_top_p, sample_tokens
+from muajax.engine.sampling import NEG_INF, _filter_top_k_top_p, first_argmax, sample_tokens
 
 filter_jit = jax.jit(_filter_top_k_top_p)
 
@@ -110,3 +110,16 @@ def test_large_vocab_and_sampling_draws_from_the_reference_set():
         assert int(tokens[i]) == int(want)
     np.testing.assert_allclose(np.asarray(logprobs), jax.nn.log_softmax(jnp.asarray(scaled))[np.arange(4), tokens],
                                atol=1e-5)
+
+
+def test_first_argmax_is_argmax_with_ties_nans_and_infinities():
+    rng = np.random.RandomState(3)
+    x = rng.randn(6, 1000).astype(np.float32)
+    x[1, [7, 300, 999]] = 50.0                 # ties: the first wins
+    x[2] = -np.inf                             # nothing finite: index 0, as argmax
+    x[3, [10, 20]] = np.nan                    # the first NaN, as argmax
+    x[4, 999] = np.inf
+    x[5, :] = 0.0                              # all equal
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.tolist()[:4] == [int(np.argmax(x[0])), 7, 0, 10]
