@@ -150,7 +150,7 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
     Two stages because a compile at the paper's scale takes 40-90 s on a small machine and
     the mesh decides the collectives, which dominate the estimate; the remat policy mostly
     trades memory for recompute on a mesh already chosen."""
-    rows, start = [], time.perf_counter()
+    start = time.perf_counter()
     candidates = meshes or mesh_candidates(len(devices))
     stage2 = len(remats) - 1 if refine is None else min(refine, len(candidates)) * (len(remats) - 1)
     log(f"sweep: {len(candidates)} meshes with remat {remats[0]}"
