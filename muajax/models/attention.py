@@ -44,19 +44,35 @@ from muajax.models.splash_attention import SPLASH_BLOCK, splash_attention
 IMPLEMENTATIONS = ("auto", "xla", "chunked", "splash", "cudnn")
 
 # From this many keys on, `auto` (off TPU, and off cuDNN on GPU) runs `chunked`; below it
-# the einsum reference. Measured on this project's 2-core CPU box (float32, one row, 16
-# query heads on 8 kv heads of 128; forward+backward of the attention alone, best of 3):
-#   T        128     256     512     1024    2048    4096
-#   xla      8 ms    19 ms   77 ms   426 ms  1.92 s  10.9 s
-#   chunked  8 ms    19 ms   75 ms   230 ms  0.72 s  2.65 s
-# They tie up to 512 (one or two blocks); from 1024 on the [T, S] scores cost more than
-# the blocks' loop, and the gap grows as T^2 against T. Below the threshold the reference
-# keeps running where it always has (the tests' tiny models, short prompts).
-AUTO_CHUNKED_MIN_LEN = 1024
-# Block length of `chunked` on both axes: a [B, N, 512, 512] float32 score block is 1 MiB
-# per head and row, big enough for efficient dots, small enough to stay in cache-sized tiles.
-CHUNK_BLOCK = 512
+# the einsum reference. Measured on this project's 2-core CPU box (float32, forward+backward
+# of the attention alone, median of 5; chunked at its `chunk_block`):
+#   rows x T, heads/kv heads x head_dim    xla        chunked
+#   1 x 256, 16/8 x 128                    13.5 ms    19.0 ms
+#   1 x 512, 16/8 x 128                    76.5 ms    42.4 ms
+#   1 x 1024, 16/8 x 128                   373 ms     139 ms
+#   8 x 256, 8/4 x 64                      60.4 ms    42.4 ms
+#   8 x 512, 8/4 x 64                      248 ms     144 ms
+# From 512 on the [T, S] scores cost more than the blocks' loop, and the gap grows as T^2
+# against T. Below the threshold the reference keeps running where it always has (the
+# tests' tiny models, short prompts).
+AUTO_CHUNKED_MIN_LEN = 512
+# Block length of `chunked` on both axes; None: `chunk_block` picks it from the shapes.
+CHUNK_BLOCK = None
+# `chunk_block` takes the longest of these whose float32 score block [rows, kv_heads, block,
+# block] fits CHUNK_SCORE_BYTES: the dots stay efficient and the softmax's passes over the
+# block stay in cache. Measured on the 2-core CPU box (forward+backward of the attention
+# alone, 8 query heads on 4 kv heads of 64, float32):
+#   rows x T     block 512   256      128      64
+#   8 x 512      217 ms     150 ms   129 ms   123 ms
+#   2 x 4096     1.34 s     1.28 s   1.62 s
+CHUNK_BLOCKS = (512, 256, 128, 64)
+CHUNK_SCORE_BYTES = 2 << 20
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def chunk_block(rows: int, kv_heads: int) -> int:
+    """`chunked`'s block length for `rows` x `kv_heads` score blocks (see CHUNK_BLOCKS)."""
+    return next((b for b in CHUNK_BLOCKS if rows * kv_heads * b * b * 4 <= CHUNK_SCORE_BYTES), CHUNK_BLOCKS[-1])
 
 
 def resolve(implementation: str, *, num_keys: int, dtype, platform: str, cache_form: bool) -> str:
@@ -77,7 +93,7 @@ def resolve(implementation: str, *, num_keys: int, dtype, platform: str, cache_f
 def attention(q, k, v, *, implementation: str = "auto", segment_ids=None, q_index=None, kv_valid=None,
               block: int | None = None) -> jax.Array:
     """Attention output [B, T, N, H] in q's dtype (see the module docstring for the masks).
-    `block` overrides the block length of chunked (CHUNK_BLOCK) or splash (SPLASH_BLOCK)."""
+    `block` overrides the block length of chunked (`chunk_block`) or splash (SPLASH_BLOCK)."""
     b, t, n, h = q.shape
     if k.ndim != 4 or k.shape[0] != b or k.shape[3] != h or v.shape != k.shape or n % k.shape[1]:
         raise ValueError(f"attention: q {q.shape} needs k, v [B, K, S, H] with N a multiple of K; "
@@ -103,7 +119,8 @@ def attention(q, k, v, *, implementation: str = "auto", segment_ids=None, q_inde
         return jax.nn.dot_product_attention(*args, **kwargs, implementation="cudnn")
     if impl == "chunked":
         local = lambda q, k, v, qi, qs, ks, valid: chunked_attention(
-            q, k, v, qi, q_seg=qs, kv_seg=ks, kv_valid=valid, block=block or CHUNK_BLOCK)
+            q, k, v, qi, q_seg=qs, kv_seg=ks, kv_valid=valid,
+            block=block or CHUNK_BLOCK or chunk_block(q.shape[0], k.shape[1]))
     else:
         local = lambda q, k, v, qi, qs, ks, valid: xla_attention(q, k, v, qi, segment_ids=qs, kv_segment_ids=ks,
                                                                  kv_valid=valid)
