@@ -102,6 +102,18 @@ def test_chunked_serves_the_cache_form():
     assert max(errors.values()) <= TOL, errors
 
 
+def test_chunk_block_keeps_the_score_block_within_its_budget():
+    """The longest block whose float32 [rows, kv_heads, block, block] scores fit 2 MiB: 128 for
+    the train bench's 8 rows on 4 kv heads, 256 for 2 rows, never below the smallest."""
+    assert attn.chunk_block(8, 4) == 128
+    assert attn.chunk_block(2, 4) == 256
+    assert attn.chunk_block(1, 2) == 512
+    assert attn.chunk_block(256, 8) == attn.CHUNK_BLOCKS[-1]
+    for rows, heads in ((8, 4), (2, 4), (1, 2), (3, 5)):
+        block = attn.chunk_block(rows, heads)
+        assert rows * heads * block * block * 4 <= attn.CHUNK_SCORE_BYTES or block == attn.CHUNK_BLOCKS[-1]
+
+
 def test_auto_picks_by_platform_and_length():
     pick = lambda impl="auto", n=64, dtype=jnp.float32, platform="cpu", cache=False: attn.resolve(
         impl, num_keys=n, dtype=dtype, platform=platform, cache_form=cache)

@@ -160,6 +160,31 @@ def test_remat_does_not_change_gradients(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
+def test_dots_remat_keeps_the_chunked_attention_output_instead_of_rerunning_it():
+    """The dots policies also save chunked attention's output and log-sum-exp (named in
+    `chunked_attention`): its custom VJP needs both, and without them the backward reruns the
+    attention forward. The log-sum-exp [L, B, K, G x T] is no dot's output, so it is saved
+    only by name; `full` saves neither."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from muajax.models.qwen3 import forward as plain_forward, init_params
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, attention="chunked")
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jnp.zeros((3, 24), jnp.int32)
+    lse_shape = (2, 3, 2, 2 * 24)
+
+    def saved_shapes(remat):
+        c = cfg.replace(remat=remat)
+        return [tuple(aval.shape) for aval, _ in saved_residuals(lambda p: plain_forward(p, c, tokens)[0].sum(), params)]
+
+    for remat in ("dots", "dots_no_batch"):
+        assert lse_shape in saved_shapes(remat), remat
+        assert lse_shape + (16,) in saved_shapes(remat), remat  # the output, [L, B, K, G x T, H]
+    assert lse_shape not in saved_shapes("full")
+
+
 def test_in_place_cache_equals_per_layer_slices(checkpoint):
     """The engine's in-place cache (carried through the layer scan) and the differentiable
     per-layer form compute the same numbers, extend and decode alike."""
