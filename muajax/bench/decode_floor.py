@@ -81,26 +81,43 @@ def xla_step(weights: list[np.ndarray], batch: int):
     return lambda: step(mats, inputs)
 
 
+WARMUP = 2
+
+
 def measure(hf_model, batch: int, hf_step_ms: float, muajax_step_ms: float, *, torch_threads=(1,),
-            repeat: int = 20) -> dict:
-    """Both floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary."""
+            repeat: int = 20, muajax_decode=None) -> dict:
+    """Both floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary.
+
+    `muajax_decode`, optional: runs one muajax generation and returns its decode ms/step. It
+    then takes its turn in every round beside the floors, and muajax's ratio to the XLA floor
+    is of the two medians measured together: the box's speed drifts by tens of percent
+    between runs, and a floor timed after muajax's rounds carried that drift into the ratio."""
     weights = _weights(hf_model)
     candidates = {f"torch_{n}": torch_step(weights, batch, n) for n in sorted(set(torch_threads))}
     candidates["xla"] = xla_step(weights, batch)
     candidates["stream"] = stream_step(weights, max(torch_threads))
-    seconds = {k: 1e3 * common.median(v) for k, v in common.interleave(candidates, warmup=2, repeat=repeat).items()}
+    decode_ms: list[float] = []
+    if muajax_decode is not None:
+        candidates["muajax"] = lambda: decode_ms.append(muajax_decode())
+    seconds = {k: 1e3 * common.median(v)
+               for k, v in common.interleave(candidates, warmup=WARMUP, repeat=repeat).items()}
+    if muajax_decode is not None:
+        seconds.pop("muajax")
+        muajax_step_ms = common.median(decode_ms[WARMUP:])  # the timed rounds, after the warm-up calls
     xla_ms, stream_ms = seconds.pop("xla"), seconds.pop("stream")
     torch_ms = min(seconds.values())
     floor = min(torch_ms, xla_ms)
     out = {"torch_matmul_ms": torch_ms, "xla_matmul_ms": xla_ms, "weight_stream_ms": stream_ms,
            "transformers_overhead_share": 1.0 - torch_ms / hf_step_ms,
            "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, xla_ms),
+           "muajax_decode_ms": muajax_step_ms, "muajax_interleaved": muajax_decode is not None,
            "decode_ratio_ceiling": common.ratio(hf_step_ms, floor),
            "decode_ratio_bandwidth_ceiling": common.ratio(hf_step_ms, stream_ms)}
     common.log(f"decode floor (one step's matmuls alone, batch {batch}): torch {torch_ms:.2f} ms, XLA {xla_ms:.2f} ms; "
                f"reading every weight once {stream_ms:.2f} ms")
     common.log(f"transformers' step {hf_step_ms:.2f} ms is {100 * out['transformers_overhead_share']:.0f}% overhead; "
-               f"muajax's {muajax_step_ms:.2f} ms is x{out['muajax_step_over_xla_floor']:.2f} its XLA floor")
+               f"muajax's {muajax_step_ms:.2f} ms is x{out['muajax_step_over_xla_floor']:.2f} its XLA floor"
+               + (" (timed in the same rounds)" if muajax_decode is not None else ""))
     common.log(f"an engine on these matmul libraries can beat transformers' decode by at most "
                f"x{out['decode_ratio_ceiling']:.2f} here; a kernel at memory speed by x{out['decode_ratio_bandwidth_ceiling']:.2f}")
     return out

@@ -299,8 +299,11 @@ def run(argv: list[str]) -> dict:
                        f"decode x{result['decode_ratio_vs_best_torch']:.2f}  e2e x{result['e2e_ratio_vs_best_torch']:.2f}")
         common.log(f"greedy tokens agree with transformers for the first {result['greedy_agree_prefix']:.1f}/{args.new} "
                    "on average (same weights)")
-        result["floor"] = decode_floor.measure(hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
-                                               torch_threads=threads.values(), repeat=max(5, 5 * args.repeat))
+        result["floor"] = decode_floor.measure(
+            hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
+            torch_threads=threads.values(), repeat=max(5, 5 * args.repeat),
+            muajax_decode=lambda: summarize([muajax_generate_once(engine, prompts, args.new)[0]],
+                                            args.batch)["decode_ms_per_step"])
         setup_threads(args.threads)
     if args.tunix_python:
         tx = tunix_generate(args.tunix_python, hf_model, prompts, args.new, args.repeat)

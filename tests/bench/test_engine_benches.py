@@ -53,7 +53,11 @@ def test_generate_quick():
         assert positive(floor[key]), (key, floor)
     assert math.isclose(floor["decode_ratio_ceiling"], result["transformers"]["decode_ms_per_step"]
                         / min(floor["torch_matmul_ms"], floor["xla_matmul_ms"]), rel_tol=1e-2)
-    assert "decode floor" in stdout
+    # muajax's decode takes its turn in the floor's own rounds, and its ratio is of those medians
+    assert floor["muajax_interleaved"] is True and positive(floor["muajax_decode_ms"])
+    assert math.isclose(floor["muajax_step_over_xla_floor"], floor["muajax_decode_ms"] / floor["xla_matmul_ms"],
+                        rel_tol=1e-6)
+    assert "decode floor" in stdout and "timed in the same rounds" in stdout
 
 
 def test_multiturn_quick():
