@@ -5,7 +5,7 @@ or `python -m muajax.eval --policy gold --domain D [--split S]`.
 Hugging Face directory) on every task of a split, `--trials` times each, with a simulated
 user in the loop, through the same engine and rollout loop as training, with τ2's rules
 where they differ from training's (every call of a message runs, an episode not ended by
-the user or agent scores 0, τ2's own tool list); see `muajax.train.evaluate`. Greedy by
+the user or agent scores 0, τ2's own tool list); see `muajax.evaluation.saved_policy`. Greedy by
 default, as in the paper's evaluation; τ-bench's told-the-user check is on.
 
 --protocol tau2: τ2-bench's official protocol. DIR is served by muajax's own server and τ2's
@@ -39,10 +39,10 @@ import json
 import sys
 from typing import Any
 
-from muajax.config.fields import ConfigError
+from muajax.settings.fields import ConfigError
 from muajax.domains.registry import TAU2_DOMAINS, DomainConfigError
-from muajax.train.evaluate import EvalRequest, evaluate_checkpoint, evaluate_gold
-from muajax.train.policy_loading import PolicyLoadError
+from muajax.evaluation.saved_policy import EvalRequest, evaluate_checkpoint, evaluate_gold
+from muajax.runtime.policy import PolicyLoadError
 
 DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl", "mcp")
 BFCL_CATEGORIES = ("base", "miss_func", "miss_param", "long_context")

@@ -92,7 +92,7 @@ def write_generation_config(out_dir: str) -> str:
 def export(checkpoint: str, out_dir: str, *, dtype: str | None = None, stage: str | None = None,
            step: int | None = None, overwrite: bool = False) -> dict:
     from muajax.models.hf import save_hf
-    from muajax.train.policy_loading import load_policy
+    from muajax.runtime.policy import load_policy
 
     if os.path.abspath(out_dir) == os.path.abspath(checkpoint):
         raise ValueError(f"--out {out_dir} is the checkpoint itself; choose another directory")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, help="which step (default: the newest)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from muajax.train.policy_loading import PolicyLoadError
+    from muajax.runtime.policy import PolicyLoadError
 
     start = time.time()
     try:

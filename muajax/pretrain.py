@@ -5,8 +5,8 @@ order id from the conversation into a tool call. A tiny model trained from scrat
 that skill only from millions of dense examples, far more than fit in the embedded
 default's fifteen minutes. This command is the miniature's pretraining, run once: a tiny
 Qwen3 trained from scratch on tool-call windows of the built-in expert's conversations in
-shops *other* than the ones a run trains and evaluates on (`muajax.domains.builtin.warmup`,
-`muajax.train.warmup.pretrain_base`;
+shops *other* than the ones a run trains and evaluates on (`muajax.domains.builtin.copy_windows`,
+`muajax.train.pretraining.pretrain_base`;
 shops `env.builtin_seed` + 1 .. + `sft.domain_warmup_shops`), careful and careless with
 even odds, so it carries no preference on when to write.
 
@@ -27,9 +27,9 @@ import json
 import os
 import sys
 
-from muajax.config.loader import dump_yaml
+from muajax.settings.loader import dump_yaml
 from muajax.config.schema import ConfigError, load_config
-from muajax.train.warmup import pretrain_base
+from muajax.train.pretraining import pretrain_base
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                               "embedded-pretrain.yaml")

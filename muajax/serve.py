@@ -23,7 +23,7 @@ import uvicorn
 
 from muajax.serving.app import bind, create_app
 from muajax.serving.loading import ServeOptions, build_service
-from muajax.train.policy_loading import PolicyLoadError
+from muajax.runtime.policy import PolicyLoadError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

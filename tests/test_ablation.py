@@ -5,7 +5,7 @@ import os
 import pytest
 
 from muajax import ablation
-from muajax.train.ablation import draw, summarize, table
+from muajax.ablation import draw, summarize, table
 
 TINY = ["model.hf_dir=null", "model.vocab=domain",
         "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"

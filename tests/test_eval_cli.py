@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from muajax.agent.evaluation import pass_hat_k, summarize
+from muajax.agent.pass_k import pass_hat_k, summarize
 from muajax.agent.trajectory import Trajectory
 
 
@@ -28,7 +28,7 @@ def _trajectory(task, index, reward, partial, calls=()):
 
 
 def test_per_task_records_agree_with_the_summary():
-    from muajax.agent.evaluation import task_records
+    from muajax.agent.pass_k import task_records
 
     rewards = {"a": [1, 1, 0], "b": [0, 0, 0], "c": [1, 1, 1]}
     trajectories = [_trajectory(t, i, r, 0.5 + 0.5 * r, ["find_user"] * (i + 1))
@@ -128,7 +128,7 @@ def test_eval_cli_reports_bad_input(tmp_path, capsys):
 
 
 def test_domains_are_summarized_apart_and_twins_dropped_from_dedup():
-    from muajax.agent.evaluation import summarize_domains
+    from muajax.agent.pass_k import summarize_domains
 
     def rollout(domain, task, index, reward):
         t = _trajectory(task, index, reward, reward)

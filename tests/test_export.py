@@ -1,4 +1,4 @@
-"""`python -m muajax.export` and `muajax.train.policy_loading`: muajax run directories (full and
+"""`python -m muajax.export` and `muajax.runtime.policy`: muajax run directories (full and
 domain vocabulary) → Hugging Face directories that `transformers` loads with the same
 logits (float32, <= 1e-4)."""
 import json
@@ -21,15 +21,15 @@ def make_run_dir(root, *, domain_vocab: bool, tied: bool = True, steps=(3,), see
     orbax checkpoints of the full TrainState under checkpoints/sft/<step>."""
     import jax.numpy as jnp
 
-    from muajax.train.checkpoint import Checkpointer
-    from muajax.config.fields import config_to_dict
-    from muajax.config.loader import dump_yaml
+    from muajax.runtime.checkpoint import Checkpointer
+    from muajax.settings.fields import config_to_dict
+    from muajax.settings.loader import dump_yaml
     from muajax.config.schema import load_config
     from muajax.models.qwen3 import init_params
     from muajax.models.vocab import DomainTokenizer, DomainVocab
     from muajax.rl.optim import optimizer_from_config
     from muajax.rl.step import TrainState
-    from muajax.train.build import model_and_tokenizer
+    from muajax.runtime.build import model_and_tokenizer
 
     cfg = load_config(None, [f"run.out_dir={root}", "run.name=run", ARCH % ("true" if tied else "false"),
                              f"model.vocab={'domain' if domain_vocab else 'full'}", "rollout.max_context=2048",
@@ -116,7 +116,7 @@ def full_run(tmp_path_factory):
 def test_full_vocab_run_exports_float32_and_bfloat16(tmp_path, full_run):
     from muajax.export import export
     from muajax.models.safetensors_io import SafetensorsFile
-    from muajax.train.policy_loading import load_policy
+    from muajax.runtime.policy import load_policy
 
     run_dir, model_cfg, tok, params = full_run
     result = export(run_dir, str(tmp_path / "f32"))
@@ -136,7 +136,7 @@ def test_full_vocab_run_exports_float32_and_bfloat16(tmp_path, full_run):
 
 def test_policy_loading_picks_steps_and_explains_failures(tmp_path, domain_run):
     from muajax.export import main
-    from muajax.train.policy_loading import PolicyLoadError, load_policy
+    from muajax.runtime.policy import PolicyLoadError, load_policy
 
     run_dir, _, _, params = domain_run
     newest = load_policy(run_dir)

@@ -1,6 +1,7 @@
 """The package's layers: imports run one way, and no import closes a cycle.
 
-    commands -> {serving, planning} -> train -> config -> {agent, rl} -> domains -> engine -> models -> {parallel, chips}
+    commands -> bench -> {serving, planning} -> {train, evaluation} -> runtime -> config -> {agent, rl}
+             -> domains -> engine -> models -> {parallel, chips, settings}
 
 Every `import` in every module counts, including those inside functions (an import
 deferred to dodge a cycle is still a cycle). A module may import its own package and any
@@ -21,24 +22,28 @@ LAYERS = (
     ("muajax.parallel", 0, "parallel"),
     # facts about accelerators (memory, peak FLOP/s, bandwidths): the planner's and the trainer's
     ("muajax.chips", 0, "chips"),
-    # the generic config machinery: any layer may define its config class with it
-    ("muajax.config.fields", 0, "config.machinery"),
-    ("muajax.config.loader", 0, "config.machinery"),
-    ("muajax.config.secrets", 0, "config.machinery"),
+    # the typed-settings machinery: any layer may define its config class with it
+    ("muajax.settings", 0, "settings"),
     ("muajax.models", 1, "models"),
     ("muajax.engine", 2, "engine"),
     ("muajax.domains", 3, "domains"),
     ("muajax.agent", 4, "agent"),
     ("muajax.rl", 4, "rl"),
+    # the run's schema, assembled from the config classes of the layers below
     ("muajax.config", 5, "config"),
-    ("muajax.train", 6, "train"),
-    ("muajax.serving", 7, "serving"),
-    ("muajax.planning", 7, "planning"),
-    ("muajax.bench", 8, "bench"),
+    # a policy on devices: build, load, checkpoint, rollout engine, host batches
+    ("muajax.runtime", 6, "runtime"),
+    ("muajax.train", 7, "train"),
+    ("muajax.evaluation", 7, "evaluation"),
+    ("muajax.serving", 8, "serving"),
+    ("muajax.planning", 8, "planning"),
+    ("muajax.bench", 9, "bench"),
 )
 COMMANDS = ("muajax.train.__main__", "muajax.eval", "muajax.serve", "muajax.export", "muajax.plan", "muajax.parity",
             "muajax.synth", "muajax.pretrain", "muajax.report", "muajax.ablation")
-COMMAND_RUNG = 8
+COMMAND_RUNG = 10
+# Commands that only load, evaluate, serve or plan a policy: nothing of the trainer's.
+NOT_TRAINING = ("muajax.eval", "muajax.serve", "muajax.export", "muajax.plan", "muajax.parity")
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -151,6 +156,27 @@ def test_no_import_closes_a_cycle():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_what_only_loads_or_plans_a_policy_imports_nothing_of_the_trainer():
+    """The server, the planner and the commands that load, evaluate or plan a policy stand on
+    `muajax.runtime`: the trainer can change without them, and they without it."""
+    graph = import_graph()
+
+    def reaches_train(module: str, seen: set) -> list[str]:
+        for target in sorted(graph.get(module, ())):
+            if target.startswith("muajax.train"):
+                return [module, target]
+            if target not in seen:
+                seen.add(target)
+                path = reaches_train(target, seen)
+                if path:
+                    return [module] + path
+        return []
+
+    users = [m for m in graph if m in NOT_TRAINING or m.startswith(("muajax.serving", "muajax.planning"))]
+    problems = [" -> ".join(p) for p in (reaches_train(m, set()) for m in sorted(users)) if p]
+    assert not problems, "\n".join(problems)
+
+
 def test_every_module_belongs_to_a_layer():
     for module in import_graph():
         layer_of(module)
@@ -169,7 +195,7 @@ def test_the_checker_catches_what_it_should(source, expected):
 def test_the_cycle_finder_sees_a_cycle_through_function_level_imports(tmp_path):
     mod = tmp_path / "m.py"
     mod.write_text("def f():\n    from muajax.train import trainer\n")
-    targets = imported_modules("muajax.train.build", mod, {"muajax.train.trainer": mod})
+    targets = imported_modules("muajax.runtime.build", mod, {"muajax.train.trainer": mod})
     assert targets == {"muajax.train.trainer"}
-    graph = {"muajax.train.build": targets, "muajax.train.trainer": {"muajax.train.build"}}
-    assert cycles(graph) == [["muajax.train.build", "muajax.train.trainer"]]
+    graph = {"muajax.runtime.build": targets, "muajax.train.trainer": {"muajax.runtime.build"}}
+    assert cycles(graph) == [["muajax.runtime.build", "muajax.train.trainer"]]

@@ -12,10 +12,10 @@ from muajax import pretrain
 
 from muajax.domains.builtin.base_record import BASE_META_FILE
 from muajax.domains.registry import make_environment
-from muajax.train import build
+from muajax.runtime import build
 from muajax.config.schema import ConfigError, load_config
 from muajax.models.vocab import DOMAIN_VOCAB_FILE, DomainTokenizer
-from muajax.train.policy_loading import load_policy
+from muajax.runtime.policy import load_policy
 from tests.support.tiny_models import make_hf_checkpoint
 
 SMALL = ["model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1,"

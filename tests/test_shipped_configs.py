@@ -33,7 +33,7 @@ def test_the_embedded_default_starts_from_the_shipped_base_which_never_saw_its_s
     import json
 
     from muajax.models.vocab import DomainTokenizer
-    from muajax.train.policy_loading import load_policy
+    from muajax.runtime.policy import load_policy
     from muajax.domains.builtin.base_record import BASE_META_FILE
 
     cfg = load_config(os.path.join(ROOT, "configs", "embedded-cpu.yaml"))
@@ -68,7 +68,7 @@ def test_the_shipped_base_is_a_qwen3_checkpoint_transformers_agrees_with():
 def test_hardware_configs_never_pad_a_microbatch(path):
     """On its slice every microbatch is whole rows on each data-parallel device, so the 256
     rollouts of a step (and SFT's 128 conversations) are never padded with empty rows."""
-    from muajax.train.batching import batch_divisor, check_microbatch_sizes, microbatch_count
+    from muajax.runtime.host_batch import batch_divisor, check_microbatch_sizes, microbatch_count
 
     cfg = load_config(path)
     sizes = cfg.mesh.sizes()

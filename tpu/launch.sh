@@ -23,7 +23,7 @@ if [[ -n "${RESUME:-}" ]]; then args+=" --resume"; fi
 # fails here, before the workers start.
 WORKER=0 tpu_ssh "cd ~/$REMOTE_DIR && JAX_PLATFORMS=cpu ~/$VENV/bin/python -c '
 import sys
-from muajax.train.checkpoint import Checkpointer
+from muajax.runtime.checkpoint import Checkpointer
 want = sys.argv[1]
 got = str(Checkpointer(want).directory)
 if want.startswith(\"gs://\") and not got.startswith(\"gs://\"):

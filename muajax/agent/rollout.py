@@ -248,7 +248,7 @@ async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSi
     top of `options` (default: `RolloutConfig.for_engine(engine.max_len)`). All slots this
     call opens are released when it returns or raises.
     `tasks` may be one process's share of a step that starts at task `first_task_index`: seeds
-    and group ids are then those the whole step gives them (`muajax.train.distributed`).
+    and group ids are then those the whole step gives them (`muajax.runtime.distributed`).
     """
     options = (dataclasses.replace(options, **overrides) if options is not None
                else RolloutConfig.for_engine(engine.max_len, **overrides))

@@ -5,7 +5,7 @@ import dataclasses
 
 from typing import Literal
 
-from muajax.config.fields import Checked, bounded, check
+from muajax.settings.fields import Checked, bounded, check
 from muajax.engine.engine import SamplingParams
 from muajax.engine.paged_attention import ATTENTION_CHOICES
 

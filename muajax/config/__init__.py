@@ -1,3 +1,3 @@
-"""Run configuration: `loader` is the generic typed-YAML machinery (it imports nothing
-else of muajax, so any layer may define its config class with it); `schema` is the run's
-`TrainConfig`, composed from the config classes that live next to the code they configure."""
+"""The run's configuration: `schema` assembles `TrainConfig` from the config classes that
+live next to the code they configure (built with `muajax.settings`), and `reference`
+writes every key of it, with its type, default and one line, to docs/config.md."""

@@ -8,8 +8,8 @@ hold only the *names* of environment variables for secrets (`user.api_key_env`).
 Defaults follow the paper's settings "as run" (shared/PAPER.md). Sections whose classes
 code also builds directly live next to that code and are composed here: `rollout`
 (`muajax.agent.rollout_config`) and `grpo` (`muajax.rl.grpo`, with the GRPO variants as
-value sets). The machinery is `muajax.config.fields` (typed dataclasses) and
-`muajax.config.loader` (YAML files and overrides).
+value sets). The machinery is `muajax.settings.fields` (typed dataclasses) and
+`muajax.settings.loader` (YAML files and overrides).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from muajax import parallel
 from muajax.agent.rollout_config import RolloutConfig
-from muajax.config.fields import ConfigError, bounded, check, from_dict
-from muajax.config.loader import deep_merge, parse_overrides, read_yaml
+from muajax.settings.fields import ConfigError, bounded, check, from_dict
+from muajax.settings.loader import deep_merge, parse_overrides, read_yaml
 from muajax.domains.builtin.tasks import check_kind_weights
 from muajax.domains.mcp.config import McpConfig, McpServerConfig
 from muajax.rl.grpo import GRPOConfig
@@ -239,7 +239,7 @@ class SFTConfig:
     # Steps on short windows of the built-in domain's expert conversations in *other* shops
     # (other database seeds), each ending at a tool call, before the SFT data: dense practice
     # at copying names, zips and ids into calls, which a model trained from scratch lacks
-    # (muajax.domains.builtin.warmup). Built-in domain only; 0 for pretrained checkpoints.
+    # (muajax.domains.builtin.copy_windows). Built-in domain only; 0 for pretrained checkpoints.
     domain_warmup_steps: int = bounded(0, ge=0)
     domain_warmup_batch_size: int = bounded(32, ge=1)
     domain_warmup_shops: int = bounded(8, ge=1)

@@ -31,7 +31,7 @@ from typing import Any
 
 import openai
 
-from muajax.config.secrets import redact, redact_url
+from muajax.settings.secrets import redact, redact_url
 from muajax.models.tokenizer import strip_control_tokens
 from muajax.domains.base import EnvSession, Observation, Task, ToolCall
 from muajax.domains.base import UserSession, UserSimulator, UserTurn, find_end_token

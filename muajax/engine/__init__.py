@@ -40,6 +40,6 @@ engine.programs.build_spec(cfg, mesh, *, num_slots, max_len, kv_cache_tokens=Non
 Modules: pages.py (host: page pool, page tables, refcounts, preemption, shared prefixes),
 batching.py (host: rows per shard, buckets, chunked extends), kv_cache.py (device: the pool
 and shard-local page gathers/writes), paged_attention.py (pure-JAX and Pallas attention over
-pages), programs.py (the jitted extend and decode programs), warmup.py (compiling them all
+pages), programs.py (the jitted extend and decode programs), precompile.py (compiling them all
 ahead), sampling.py, engine.py.
 """

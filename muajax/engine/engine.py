@@ -43,7 +43,7 @@ from muajax.engine import batching, kv_cache
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
 from muajax.engine.programs import Programs, build_spec
-from muajax.engine.warmup import warm_programs
+from muajax.engine.precompile import warm_programs
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
 

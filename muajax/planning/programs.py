@@ -9,7 +9,7 @@ abstract sharded arguments (nothing is allocated).
 - `sft_program`: `muajax.rl.sft.make_sft_step` as `muajax.train.sft.run_sft` calls it.
 - `engine_programs`: `muajax.engine.programs.abstract_programs`, the engine's own decode and
   extend programs (the Pallas paged attention on a TPU mesh) on the mesh the trainer's
-  engine uses (`muajax.train.rollout_layout.engine_mesh`: one host's devices), reading the
+  engine uses (`muajax.runtime.rollout_engine.engine_mesh`: one host's devices), reading the
   params as that engine does (its own compute-dtype copy in its own layout, or the train
   state's in place), with this host's share of the page pool as its state.
 """
@@ -33,9 +33,9 @@ from muajax.rl.sft import make_sft_step
 from muajax.rl.step import model_abstract_params
 from muajax.agent.rollout_config import RolloutMeshConfig
 from muajax.models.sharding import param_shardings
-from muajax.train import roles, rollout_layout
+from muajax.runtime import rollout_engine
 
-DECODE_CHUNK = roles.DECODE_CHUNK
+DECODE_CHUNK = rollout_engine.DECODE_CHUNK
 EXTEND_WIDTHS = (32, 128, 512, 2048)  # the Engine's default extend_widths
 MAX_EXTEND_TOKENS = 8192  # the Engine's default
 
@@ -51,7 +51,7 @@ def shard_bytes(tree) -> int:
 
 def padded_batch(batch: int, microbatches: int, mesh: Mesh) -> int:
     """Rows after the trainer's padding: a multiple of data*fsdp*microbatches
-    (`muajax.train.batching.pad_to_multiple` with `batch_divisor`)."""
+    (`muajax.runtime.host_batch.pad_to_multiple` with `batch_divisor`)."""
     divisor = parallel.batch_divisor(mesh) * microbatches
     return -(-batch // divisor) * divisor
 
@@ -124,10 +124,10 @@ def host_devices(devices: list) -> tuple[list, int]:
 
 def engine_copy(params, cfg: Qwen3Config, mesh: Mesh):
     """The abstract params as `RolloutEngine` copies them: in its copy dtype, on `mesh`."""
-    dtype = rollout_layout.copy_dtype(cfg)
+    dtype = rollout_engine.copy_dtype(cfg)
 
     def leaf(path, x, sharding):
-        keep = dtype is None or rollout_layout.stays_fp32(path, cfg)
+        keep = dtype is None or rollout_engine.stays_fp32(path, cfg)
         return jax.ShapeDtypeStruct(x.shape, x.dtype if keep else jnp.dtype(dtype), sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(leaf, params, param_shardings(cfg, mesh))
@@ -139,7 +139,7 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     its resident state (its page pool), and of its own copy of the params (0: it reads the
     train state's `params` in place)."""
     devices, hosts = host_devices(list(mesh.devices.flat))
-    local = rollout_layout.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
+    local = rollout_engine.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
     slots = -(-engine.num_slots // hosts)
     tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)
     spec = build_spec(cfg, local, num_slots=slots, max_len=engine.max_len, kv_cache_tokens=tokens,
@@ -150,7 +150,7 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     state = {f"KV pool ({spec.pool.tokens} tokens{per_host}, pages of {spec.pool.page_size}, {spec.attention}, "
              f"mesh {layout})": pool}
     copy_bytes = 0
-    if rollout_layout.copies_params(cfg, local, mesh, hosts > 1):
+    if rollout_engine.copies_params(cfg, local, mesh, hosts > 1):
         params = engine_copy(params, cfg, local)
         copy_bytes = shard_bytes(params)
     calls = abstract_programs(cfg, local, kv_cache_tokens=spec.pool.tokens, page_size=spec.pool.page_size,

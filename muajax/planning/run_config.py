@@ -1,7 +1,7 @@
 """The model a run config trains, without its checkpoint or domain: what a plan needs.
 
 The trainer reads the architecture from `model.hf_dir`'s config.json (or a preset, or the
-inline `arch`) and applies the run's dtypes, remat and attention (`muajax.train.build.
+inline `arch`) and applies the run's dtypes, remat and attention (`muajax.runtime.build.
 model_and_tokenizer`). A plan does the same, except that a checkpoint folder need not
 exist where one plans: a missing `hf_dir` whose name is a preset's (checkpoints/Qwen3-32B
 -> qwen3-32b) plans that preset, and says so.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax import parallel
-from muajax.config.fields import Checked, bounded, check
+from muajax.settings.fields import Checked, bounded, check
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.sharding import param_shardings
 from muajax.rl.advantages import group_advantages

@@ -7,7 +7,7 @@ token like the GRPO batch: position t of the forward predicts tokens[:, t+1], wh
 mask is loss_mask[:, t+1]. The loss is the token-mean over the whole batch, as MUA-RL's
 cold start (verl's SFT trainer) aggregates it.
 
-Packed rows (`muajax.train.packing`) also carry `segment_ids` [B, T]: one id per
+Packed rows (`muajax.runtime.packing`) also carry `segment_ids` [B, T]: one id per
 conversation, 0 for padding. Attention stays within each conversation and positions restart
 in each, so a packed row computes what its conversations would alone. The last token of a
 conversation is followed by the next one's first token, which it must not predict: the

@@ -8,7 +8,7 @@ import time
 
 from muajax.serving.app import ChatService
 from muajax.serving.scheduler import warmup as compile_programs
-from muajax.train.policy_loading import Policy, load_policy, make_engine
+from muajax.runtime.policy import Policy, load_policy, make_engine
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,13 +35,13 @@ from tau2.evaluator.evaluator import EvaluationType  # noqa: E402
 from tau2.metrics.agent_metrics import compute_metrics  # noqa: E402
 from tau2.run import get_tasks, run_tasks  # noqa: E402
 
-from muajax.config.fields import ConfigError  # noqa: E402
+from muajax.settings.fields import ConfigError  # noqa: E402
 from muajax.config.schema import UserConfig, load_config  # noqa: E402
 from muajax.domains.tau2.twins import twin_ids  # noqa: E402
 from muajax.serving.app import BackgroundServer, create_app  # noqa: E402
 from muajax.serving.loading import ServeOptions, build_service  # noqa: E402
-from muajax.train.evaluate import DEFAULT_CONTEXT, eval_user_config  # noqa: E402
-from muajax.train.policy_loading import Policy, load_policy  # noqa: E402
+from muajax.evaluation.saved_policy import DEFAULT_CONTEXT, eval_user_config  # noqa: E402
+from muajax.runtime.policy import Policy, load_policy  # noqa: E402
 
 AGENT_MODEL = "muajax-agent"  # the served model's name
 TAU2_DEFAULT_SEED = 300  # `tau2 run`'s

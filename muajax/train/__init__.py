@@ -1,4 +1,5 @@
-"""The run: build (mesh, model, params), one step loop with hooks, SFT, warm-ups and GRPO
-stages, the rollout engine's role, checkpoints, policy loading, multi-host and metrics.
+"""The run: its context, one step loop with hooks, the SFT, pre-training and GRPO stages,
+metrics, and the in-run evaluation; a policy on devices (building, checkpoints, the
+rollout engine, multi-host batches) is `muajax.runtime`'s.
 
 `python -m muajax.train` runs `__main__`."""

@@ -24,14 +24,14 @@ import time
 import jax
 import numpy as np
 
-from muajax.config.loader import dump_yaml
+from muajax.settings.loader import dump_yaml
 from muajax.config.schema import ConfigError, load_config
 from muajax.domains.registry import DomainConfigError
-from muajax.train.checkpoint import CheckpointError
-from muajax.train.distributed import maybe_initialize_distributed
+from muajax.runtime.checkpoint import CheckpointError
+from muajax.runtime.distributed import maybe_initialize_distributed
 from muajax.train.grpo import FailedRolloutsError
 from muajax.train.loop import TrainingStopped
-from muajax.train.resume import ResumeError
+from muajax.runtime.resume import ResumeError
 from muajax.train.trainer import Trainer
 
 EMBEDDED_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",

@@ -20,12 +20,12 @@ from muajax.domains.base import Domain
 from muajax.domains.registry import make_domain, make_user
 from muajax.engine.engine import Engine
 from muajax.models.qwen3 import Qwen3Config
-from muajax.train import build
-from muajax.train.batching import check_microbatch_sizes
-from muajax.train.checkpoint import Checkpointer
+from muajax.runtime import build
+from muajax.runtime.host_batch import check_microbatch_sizes
+from muajax.runtime.checkpoint import Checkpointer
 from muajax.train.compilation import enable_compilation_cache
 from muajax.train.metrics import MetricsWriter, ProgressBar
-from muajax.train.roles import make_rollout_engine
+from muajax.runtime.rollout_engine import make_rollout_engine
 from muajax.train.step_metrics import ProfileWindow, device_peak_flops
 
 
@@ -94,7 +94,7 @@ class RunContext:
 
     def engine(self, params) -> Engine:
         """The rollout engine, built on first use; `params` are assigned to it (it decodes from
-        its own copy of them, see `muajax.train.rollout_layout`)."""
+        its own copy of them, see `muajax.runtime.rollout_engine`)."""
         if self._engine is None:
             r, slots = self.cfg.rollout, self.engine_slots()
             # deterministic: every call as wide as this process's share of a step's conversations

@@ -21,13 +21,13 @@ import numpy as np
 from muajax.agent.chat import system_prompt_ids
 from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
-from muajax.config.fields import config_to_dict
+from muajax.settings.fields import config_to_dict
 from muajax.models.flops import forward_flops, train_step_flops
 from muajax.rl.advantages import group_advantages
 from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
-from muajax.train import distributed
-from muajax.train.batching import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_failed,
+from muajax.runtime import distributed
+from muajax.runtime.host_batch import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_failed,
                                    mask_uniform_groups, microbatch_count, minibatches, pad_to_multiple)
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps

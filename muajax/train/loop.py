@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from muajax.train.checkpoint import Checkpointer
+from muajax.runtime.checkpoint import Checkpointer
 from muajax.train.compilation import CompileClock
 from muajax.train.metrics import MetricsWriter, ProgressBar
 from muajax.train.step_metrics import ProfileWindow

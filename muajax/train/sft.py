@@ -1,8 +1,8 @@
 """The cold-start SFT stage: the data (a JSONL file, or the built-in expert's conversations),
 then epochs of the SFT step over it, checkpointed and resumable. Each step's conversations
-are packed into rows (`muajax.train.packing`, `sft.packing`) or take a row each.
+are packed into rows (`muajax.runtime.packing`, `sft.packing`) or take a row each.
 
-A fresh stage first runs the warm-ups the config asks for (`muajax.train.warmup`); a
+A fresh stage first runs the warm-ups the config asks for (`muajax.train.pretraining`); a
 resumed one restores its state instead (the warm-ups are already in it).
 """
 from __future__ import annotations
@@ -14,20 +14,20 @@ import jax
 import numpy as np
 
 from muajax.agent.chat import render_messages_ids
-from muajax.config.fields import config_to_dict
+from muajax.settings.fields import config_to_dict
 from muajax.domains.base import WRITES_CONFIRMED
 from muajax.domains.builtin.expert import expert_records
 from muajax.models.flops import train_step_flops
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
-from muajax.train import distributed
-from muajax.train.batching import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, pad_to_multiple,
+from muajax.runtime import distributed
+from muajax.runtime.host_batch import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, pad_to_multiple,
                                    padded_length, sft_batch)
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
-from muajax.train.packing import PackingPlan, pack, packed_batch, plan_packing
+from muajax.runtime.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.step_metrics import call_without_compile, perf_record
-from muajax.train.warmup import copy_warmup, domain_warmup
+from muajax.train.pretraining import copy_warmup, domain_warmup
 
 Example = tuple[list[int], list[int]]  # (token ids, assistant mask)
 

@@ -14,14 +14,14 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from muajax.agent.evaluation import evaluate_policy, task_records
-from muajax.config.loader import dump_yaml
+from muajax.agent.pass_k import evaluate_policy, task_records
+from muajax.settings.loader import dump_yaml
 from muajax.config.schema import TrainConfig
 from muajax.domains.base import Domain
-from muajax.train import build
+from muajax.runtime import build
 from muajax.train.context import RunContext, build_context
 from muajax.train.grpo import run_grpo
-from muajax.train.resume import check_checkpoint_layouts, plan_resume
+from muajax.runtime.resume import check_checkpoint_layouts, plan_resume
 from muajax.train.sft import run_sft
 
 EVAL_SEED_OFFSET = 1_000_003  # evaluation samples never reuse a training rollout's seed
@@ -68,7 +68,7 @@ class Trainer:
         """`resume`: False, True (a checkpoint is required) or "auto" (resume if there is
         one). A resume is checked before any file is written: there is a checkpoint, the
         saved config computes the same thing (unless `allow_config_change`), the arrays fit
-        (`muajax.train.resume.ResumeError` otherwise). A missing API key for a remote user
+        (`muajax.runtime.resume.ResumeError` otherwise). A missing API key for a remote user
         stops it earlier still (`DomainConfigError`). `domain` and `tokenizer` replace what
         the config would build (tests, custom domains)."""
         self.start_time = start_time or time.time()

@@ -4,8 +4,8 @@ from typing import Literal, Optional
 import pytest
 
 from muajax import parallel
-from muajax.config import fields as F
-from muajax.config import loader as L
+from muajax.settings import fields as F
+from muajax.settings import loader as L
 from muajax.config import schema as C
 from muajax.config.schema import ConfigError, load_config
 

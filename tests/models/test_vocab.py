@@ -9,7 +9,7 @@ from muajax.domains.builtin import BuiltinEnvironment
 from muajax.domains.builtin.expert import expert_conversation
 from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import UNK_TEXT, DomainTokenizer, DomainVocab
-from muajax.train.build import domain_ids
+from muajax.runtime.build import domain_ids
 
 
 @pytest.fixture(scope="module")

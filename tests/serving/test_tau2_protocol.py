@@ -119,7 +119,7 @@ def test_the_user_tau2_plays(monkeypatch):
     assert model == "gpt-4.1" and args["api_key"] == "sk-test-secret" and "base_url" not in args
     model, args = user_llm(UserConfig(kind="openai", model="m", base_url="http://x/v1", api_key_env=None))
     assert model == "openai/m" and args["base_url"] == "http://x/v1" and args["api_key"] == "unused"
-    from muajax.config.fields import ConfigError
+    from muajax.settings.fields import ConfigError
 
     with pytest.raises(ConfigError, match="OpenAI-compatible user"):
         user_llm(UserConfig())

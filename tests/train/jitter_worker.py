@@ -17,7 +17,7 @@ from muajax.config.schema import load_config
 from muajax.domains.base import Domain, Environment, EnvSession, UserSession, UserSimulator
 from muajax.domains.registry import make_domain
 from muajax.engine.engine import Engine
-from muajax.train import build
+from muajax.runtime import build
 from muajax.train.context import build_context
 from muajax.train.grpo import run_grpo
 from muajax.train.trainer import params_fingerprint

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from muajax.train.distributed import maybe_initialize_distributed
+from muajax.runtime.distributed import maybe_initialize_distributed
 
 maybe_initialize_distributed()
 
@@ -22,12 +22,12 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from muajax import parallel  # noqa: E402
 
-from muajax.train import distributed
-from muajax.train.checkpoint import Checkpointer  # noqa: E402
+from muajax.runtime import distributed
+from muajax.runtime.checkpoint import Checkpointer  # noqa: E402
 from muajax.engine.engine import Engine, SamplingParams  # noqa: E402
 from muajax.models.qwen3 import Qwen3Config  # noqa: E402
-from muajax.train.build import initial_params  # noqa: E402
-from muajax.train.rollout_layout import RolloutEngine  # noqa: E402
+from muajax.runtime.build import initial_params  # noqa: E402
+from muajax.runtime.rollout_engine import RolloutEngine  # noqa: E402
 from muajax.agent.trajectory import Trajectory, rollout_metrics  # noqa: E402
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from muajax.config.fields import ConfigError
+from muajax.settings.fields import ConfigError
 from muajax.config.schema import UserConfig, load_config
 from muajax.domains.builtin.user import ScriptedUser
 from muajax.domains.openai_user import OpenAIUserSimulator
 from muajax.domains.registry import DomainConfigError
 from muajax.train.context import RunContext
-from muajax.train.evaluate import EvalRequest, domain_env_config, eval_user_config
+from muajax.evaluation.saved_policy import EvalRequest, domain_env_config, eval_user_config
 
 TRAIN_USER = ["user.kind=openai", "user.model=train-user", "user.base_url=http://127.0.0.1:1/v1"]
 EVAL_USER = ["eval.user.kind=openai", "eval.user.model=eval-user", "eval.user.base_url=http://127.0.0.1:2/v1"]

@@ -12,7 +12,7 @@ from muajax.config.schema import ConfigError, load_config
 from muajax.domains.base import Domain
 from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import DomainTokenizer, DomainVocab
-from muajax.train import build
+from muajax.runtime import build
 from muajax.train.context import build_context
 from muajax.train.grpo import run_grpo
 from tests.support.toy_domain import SayYesEnvironment, StopUser
@@ -75,7 +75,7 @@ def test_ppo_epochs_need_a_mini_batch_size_that_divides_the_batch():
 def test_a_run_whose_steps_keep_going_non_finite_stops_after_saving(tmp_path):
     """lr=inf: the first update makes the params non-finite, every later step's loss is NaN
     and its update is skipped; past grpo.max_consecutive_skips the run stops, saved."""
-    from muajax.train.checkpoint import finished_steps
+    from muajax.runtime.checkpoint import finished_steps
     from muajax.train.loop import TrainingStopped
     from tests.train.toy_run import toy_config, toy_trainer
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from muajax.train.batching import PAD_GROUP, pad_rows
-from muajax.train.distributed import task_share
+from muajax.runtime.host_batch import PAD_GROUP, pad_rows
+from muajax.runtime.distributed import task_share
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 900

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from muajax.config.fields import config_to_dict
+from muajax.settings.fields import config_to_dict
 from muajax.config.schema import load_config
 from muajax.models.qwen3 import Qwen3Config
 from muajax.train.__main__ import EMBEDDED_DEFAULT
-from muajax.train.checkpoint import Checkpointer, CheckpointReadError, finished_steps
-from muajax.train.resume import ResumeError, abstract_train_state, may_change, math_changes
+from muajax.runtime.checkpoint import Checkpointer, CheckpointReadError, finished_steps
+from muajax.runtime.resume import ResumeError, abstract_train_state, may_change, math_changes
 from tests.train.toy_run import toy_config, toy_tokenizer, toy_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from muajax.models.flops import train_step_flops
-from muajax.train.batching import length_buckets
+from muajax.runtime.host_batch import length_buckets
 from muajax.train.grpo import shared_system_prefix
 from muajax.train.step_metrics import (ProfileWindow, device_peak_flops, hbm_high_water, measure_matmul_peak,
                                        peak_flops, perf_record, step_throughput)

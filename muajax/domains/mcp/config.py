@@ -19,8 +19,8 @@ import re
 import sys
 import urllib.parse
 
-from muajax.config.fields import Checked, bounded, check
-from muajax.config.secrets import (argument_credentials, looks_secret_name, redact_arguments, redact_url,
+from muajax.settings.fields import Checked, bounded, check
+from muajax.settings.secrets import (argument_credentials, looks_secret_name, redact_arguments, redact_url,
                                    value_credentials)
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

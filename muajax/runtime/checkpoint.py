@@ -3,14 +3,14 @@
 A step directory holds two orbax items: `state` (the train-state pytree: params and
 optimizer state, possibly sharded) and `meta` (JSON: step, RNG key data, position in the
 task stream, the run config, plus a fingerprint of every array leaf, see
-`muajax.train.checkpoint_records`).
+`muajax.runtime.checkpoint_records`).
 
 Orbax saves atomically (a `<step>.orbax-checkpoint-tmp` directory, renamed once every
 item is written, and unfinalized directories are never listed); the fingerprints catch
 bytes changed inside an array chunk, which would otherwise restore as wrong numbers.
 
 `restore_latest` walks back from the newest step. A checkpoint whose content is wrong (a
-fingerprint mismatch, a missing or garbled file: `muajax.train.checkpoint_errors`), and
+fingerprint mismatch, a missing or garbled file: `muajax.runtime.checkpoint_errors`), and
 stays wrong when read a second time, is corrupt: it is logged as an error and skipped, and
 once an older one restores, the corrupt newer ones are moved to `<dir>/corrupt/` (never
 deleted) so the run can save those step numbers again, with an error naming both steps.
@@ -44,9 +44,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from muajax.train.checkpoint_errors import (CheckpointError, CheckpointReadError, ContentError,
+from muajax.runtime.checkpoint_errors import (CheckpointError, CheckpointReadError, ContentError,
                                             NoValidCheckpointError, content_problem, first_line)
-from muajax.train.checkpoint_records import (CheckpointLayoutError, check_layout, first_unjsonable, leaf_records,
+from muajax.runtime.checkpoint_records import (CheckpointLayoutError, check_layout, first_unjsonable, leaf_records,
                                              rng_from_json, rng_to_json)
 
 __all__ = ["Checkpointer", "Restored", "CheckpointError", "NoValidCheckpointError", "CheckpointReadError",

@@ -25,14 +25,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from muajax.agent.evaluation import summarize_domains, task_records
+from muajax.agent.pass_k import summarize_domains, task_records
 from muajax.agent.gold import gold_summary, replay_gold
 from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.rollout_config import RolloutConfig
-from muajax.config.fields import ConfigError, from_dict
+from muajax.settings.fields import ConfigError, from_dict
 from muajax.config.schema import EnvConfig, TrainConfig, UserConfig, load_config
 from muajax.domains.registry import TAU2_DOMAINS, DomainConfigError, make_domain, make_environment, make_user
-from muajax.train.policy_loading import Policy, load_policy, make_engine
+from muajax.runtime.policy import Policy, load_policy, make_engine
 
 DEFAULT_CONTEXT = 16384  # a policy with no run config (an HF directory)
 SCRIPTED_DOMAINS = ("builtin", "bfcl")  # domains whose default user needs no model

@@ -40,12 +40,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from muajax.config.fields import _short, config_to_dict
+from muajax.settings.fields import _short, config_to_dict
 from muajax.config.schema import TrainConfig
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.step import TrainState, model_abstract_params
-from muajax.train.checkpoint import finished_steps, read_metadata
-from muajax.train.checkpoint_records import CheckpointLayoutError, check_layout
+from muajax.runtime.checkpoint import finished_steps, read_metadata
+from muajax.runtime.checkpoint_records import CheckpointLayoutError, check_layout
 
 STAGES = ("sft", "grpo")
 MAY_CHANGE = ("run.name", "run.out_dir", "checkpoint.", "metrics.", "eval.", "env.eval_split", "mesh.",

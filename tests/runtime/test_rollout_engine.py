@@ -1,4 +1,4 @@
-"""The rollout engine's layout (`muajax.train.rollout_layout`): its mesh over one host's
+"""The rollout engine's layout (`muajax.runtime.rollout_engine`): its mesh over one host's
 devices and the dtype of its copy, on TPU topology devices (libtpu; nothing is compiled)
 and on this process's CPU device."""
 import jax
@@ -11,7 +11,7 @@ from muajax.models.qwen3 import Qwen3Config
 from muajax.planning.programs import engine_copy, host_devices
 from muajax.planning.topology import libtpu_available, parse_topology, tpu_devices
 from muajax.rl.step import model_abstract_params
-from muajax.train.rollout_layout import copies_params, engine_mesh
+from muajax.runtime.rollout_engine import copies_params, engine_mesh
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu (TPU topology devices) is not installed: "
                                   'pip install -e ".[tpu]"')

@@ -4,7 +4,7 @@ hides them in what is printed and logged."""
 import pytest
 
 from muajax.config.schema import ConfigError, load_config
-from muajax.config.secrets import (argument_credentials, looks_secret_name, redact, redact_arguments, redact_url,
+from muajax.settings.secrets import (argument_credentials, looks_secret_name, redact, redact_arguments, redact_url,
                                    value_credentials)
 
 KEY = "sk-muajax-9f8e7d6c5b4a3210"

@@ -8,10 +8,10 @@ from muajax.config.schema import ConfigError, load_config
 from muajax.domains.base import Domain
 from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import DomainTokenizer, DomainVocab
-from muajax.train import build
+from muajax.runtime import build
 from muajax.train.context import build_context
 from muajax.train.trainer import params_fingerprint
-from muajax.train.warmup import copy_warmup, domain_warmup
+from muajax.train.pretraining import copy_warmup, domain_warmup
 from tests.support.toy_domain import SayYesEnvironment, StopUser
 
 

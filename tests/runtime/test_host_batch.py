@@ -7,7 +7,7 @@ from muajax.agent.chat import render_messages_ids, system_prompt_ids
 from muajax.domains.builtin import BuiltinEnvironment
 from muajax.domains.builtin.expert import expert_conversation
 from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID, load_tokenizer
-from muajax.train.batching import sft_batch
+from muajax.runtime.host_batch import sft_batch
 
 
 def test_sft_loss_mask_covers_exactly_the_assistant_tokens():
@@ -53,7 +53,7 @@ def test_sft_loss_mask_covers_exactly_the_assistant_tokens():
 
 def test_padding_rows_carry_nothing_and_belong_to_no_group():
     from muajax.rl.advantages import group_advantages
-    from muajax.train.batching import PAD_GROUP, minibatches, pad_to_multiple
+    from muajax.runtime.host_batch import PAD_GROUP, minibatches, pad_to_multiple
 
     batch = {"tokens": np.ones((3, 4), np.int32), "loss_mask": np.ones((3, 4), np.int32),
              "rewards": np.array([1.0, 0.0, 1.0], np.float32), "group_ids": np.array([0, 0, 0], np.int32)}
@@ -70,7 +70,7 @@ def test_padding_rows_carry_nothing_and_belong_to_no_group():
 
 
 def test_rollout_lengths_fall_into_a_few_buckets():
-    from muajax.train.batching import bucket_length, length_buckets
+    from muajax.runtime.host_batch import bucket_length, length_buckets
 
     buckets = length_buckets(32768)
     assert buckets == (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -84,8 +84,8 @@ def test_rollout_lengths_fall_into_a_few_buckets():
 
 def test_microbatches_are_whole_rows_on_every_device():
     from muajax import parallel
-    from muajax.config.fields import ConfigError
-    from muajax.train.batching import batch_divisor, microbatch_count
+    from muajax.settings.fields import ConfigError
+    from muajax.runtime.host_batch import batch_divisor, microbatch_count
 
     class FakeMesh:  # 32 devices on fsdp
         shape = {"data": 1, "fsdp": 32, "tensor": 1, "sequence": 1}

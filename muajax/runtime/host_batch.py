@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from muajax import parallel
-from muajax.config.fields import ConfigError
+from muajax.settings.fields import ConfigError
 
 PAD_GROUP = -1
 LENGTH_MULTIPLE = 128  # SFT and warm-up lengths are multiples of this

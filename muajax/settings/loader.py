@@ -1,6 +1,6 @@
 """Config files: YAML with a `base:` chain, dotted command-line overrides, and dumps.
 
-Building typed configs from the data is `muajax.config.fields`.
+Building typed configs from the data is `muajax.settings.fields`.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from muajax.config.fields import ConfigError, _short, config_to_dict
-from muajax.config.secrets import redact
+from muajax.settings.fields import ConfigError, _short, config_to_dict
+from muajax.settings.secrets import redact
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

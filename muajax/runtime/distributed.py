@@ -12,7 +12,7 @@ need every process to agree on every such decision (an all-gather of scheduler s
 before each chunk), and a slow user on one host would stall every host.
 
 So each process runs its own Engine on a mesh of its *local* devices over a replica of the
-params (`local_replicas`, used by `muajax.train.rollout_layout.RolloutEngine`): when the
+params (`local_replicas`, used by `muajax.runtime.rollout_engine.RolloutEngine`): when the
 trainer hands the engine new params, they are resharded on device from the training layout
 to "the local layout, on every process" (one all-gather across hosts per step, no host
 copy), and the processes then decode independently, meeting again only when the batch is
@@ -50,7 +50,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from muajax import parallel
 from muajax.agent.trajectory import Trajectory, collate
-from muajax.train.batching import pad_rows
+from muajax.runtime.host_batch import pad_rows
 
 T = TypeVar("T")
 

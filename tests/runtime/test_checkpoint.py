@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muajax.train.checkpoint import (
+from muajax.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointLayoutError,
@@ -152,7 +152,7 @@ def test_corrupt_latest_falls_back(tmp_path, caplog, corrupt, reason):
     save_steps(tmp_path, [1, 2, 3])
     corrupt(os.path.join(tmp_path, "3"))
     ck = Checkpointer(tmp_path, keep=3)
-    with caplog.at_level(logging.WARNING, logger="muajax.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="muajax.runtime.checkpoint"):
         got = ck.restore_latest(abstract_of(make_state()))
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2, errors
@@ -208,7 +208,7 @@ def test_a_read_error_that_is_not_about_content_stops_and_moves_nothing(tmp_path
     wrapped = Exception("Encountered error while reading array index")  # orbax's wrapper of tensorstore's error
     wrapped.__cause__ = READ_ERRORS[kind]
     calls = fail_reading(ck, 2, item, wrapped)
-    with caplog.at_level(logging.WARNING, logger="muajax.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="muajax.runtime.checkpoint"):
         with pytest.raises(CheckpointReadError, match=r"/2: reading the (arrays|metadata) failed with an error "
                                                       r"that is not about the checkpoint's content.*moving any"):
             ck.restore_latest(abstract_of(make_state()))
@@ -223,7 +223,7 @@ def test_a_content_error_that_does_not_repeat_is_not_corruption(tmp_path, caplog
     ck = Checkpointer(tmp_path)
     calls = fail_reading(ck, 2, "state", ValueError("DATA_LOSS: Error reading \"params.w/0.0\": bad bytes"),
                          times=1)
-    with caplog.at_level(logging.WARNING, logger="muajax.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="muajax.runtime.checkpoint"):
         got = ck.restore_latest(abstract_of(make_state()))
     assert calls == [2, 2] and got.step == 2
     assert_bit_equal(got.state, make_state(2.0))
@@ -266,7 +266,7 @@ def test_a_read_error_on_the_second_read_of_a_corrupt_step_stops_too(tmp_path):
     (KeyError("Item \"state\" was not found in the checkpoint. Available items: ['meta']"), True),
 ])
 def test_content_problem_reads_the_evidence(error, content):
-    from muajax.train.checkpoint_errors import content_problem
+    from muajax.runtime.checkpoint_errors import content_problem
 
     assert (content_problem(error) is not None) == content
     outer = Exception("Encountered error while reading array index")
@@ -303,7 +303,7 @@ def test_nothing_valid_left(tmp_path, caplog):
     garbage_metadata(os.path.join(tmp_path, "1"))
     garbage_in_data(os.path.join(tmp_path, "2"))
     ck = Checkpointer(tmp_path)
-    with caplog.at_level(logging.ERROR, logger="muajax.train.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="muajax.runtime.checkpoint"):
         with pytest.raises(NoValidCheckpointError,
                            match=r"no valid checkpoint left \(step 2: .*fingerprint.*; step 1: metadata.*nothing was "
                                  r"moved"):
@@ -340,7 +340,7 @@ MULTI_DEVICE = textwrap.dedent("""
     warnings.simplefilter("error", RuntimeWarning)
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from muajax.train.checkpoint import Checkpointer
+    from muajax.runtime.checkpoint import Checkpointer
     assert jax.device_count() == 8, jax.devices()
     devs = np.array(jax.devices())
     mesh_a = Mesh(devs.reshape(2, 4), ("data", "fsdp"))
@@ -400,7 +400,7 @@ def test_local_directory_given_as_string_epath_or_file_url(tmp_path, monkeypatch
 def test_checkpoint_path_keeps_urls_and_rejects_bad_input(tmp_path):
     from etils import epath
 
-    from muajax.train.checkpoint import checkpoint_path
+    from muajax.runtime.checkpoint import checkpoint_path
 
     for url in ("gs://bucket/run/checkpoints", "s3://bucket/ck", "az://container/ck"):
         p = checkpoint_path(url)
@@ -480,7 +480,7 @@ def test_gs_url_is_kept_for_orbax_and_for_directory_handling(fake_bucket, caplog
     assert str(ck._step_dir(2)) == f"{url}/2"
     assert ck.steps() == [1, 2]
     # A bad step is moved aside inside the bucket, objects and all.
-    with caplog.at_level(logging.ERROR, logger="muajax.train.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="muajax.runtime.checkpoint"):
         ck._quarantine([2], resumed_from=1)
     assert re.search(r"step 2 is corrupt: moved gs://bucket/run/checkpoints/2 to gs://bucket/run/checkpoints/"
                      r"corrupt/2\..*resumes from step 1", caplog.records[-1].getMessage())

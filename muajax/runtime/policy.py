@@ -7,7 +7,7 @@ DIR may be
   of the latest stage (GRPO before SFT) unless `stage`/`step` say otherwise;
 - its `checkpoints` directory, one stage directory, or one step directory.
 
-Checkpoints are read without `muajax.train.checkpoint.Checkpointer`: its manager creates
+Checkpoints are read without `muajax.runtime.checkpoint.Checkpointer`: its manager creates
 directories and cleans up unfinished saves, which must not happen to a run that is still
 training while we evaluate it. Only the params are restored (orbax partial restore), not
 the optimizer state, which would double or triple the memory; each restored leaf is
@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 
 from muajax import parallel
 from muajax.agent.chat import im_end_id
-from muajax.config.fields import ConfigError, from_dict
+from muajax.settings.fields import ConfigError, from_dict
 from muajax.config.schema import TrainConfig, load_config
 from muajax.models.hf import load_config as load_hf_config
 from muajax.models.hf import load_params
@@ -38,9 +38,9 @@ from muajax.models.safetensors_io import CheckpointError
 from muajax.models.sharding import param_shardings
 from muajax.models.vocab import DomainTokenizer, checkpoint_tokenizer
 from muajax.rl.step import model_abstract_params
-from muajax.train.build import model_and_tokenizer
-from muajax.train.checkpoint_records import leaf_fingerprints
-from muajax.train.roles import make_rollout_engine
+from muajax.runtime.build import model_and_tokenizer
+from muajax.runtime.checkpoint_records import leaf_fingerprints
+from muajax.runtime.rollout_engine import make_rollout_engine
 
 STAGES = ("grpo", "sft")  # latest first: GRPO starts from the SFT result
 _STEP = re.compile(r"\d+\Z")
@@ -266,7 +266,7 @@ def load_policy(path: str, *, stage: str | None = None, step: int | None = None,
 
 
 def make_engine(policy: Policy, *, num_slots: int, max_len: int, **kwargs):
-    """The policy's rollout engine (`muajax.train.roles.make_rollout_engine`)."""
+    """The policy's rollout engine (`muajax.runtime.rollout_engine.make_rollout_engine`)."""
     if max_len > policy.model_cfg.max_position_embeddings:
         raise PolicyLoadError(f"max_len={max_len} exceeds the model's max_position_embeddings "
                               f"({policy.model_cfg.max_position_embeddings})")

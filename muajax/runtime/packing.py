@@ -47,7 +47,7 @@ def packed_batch(examples: Sequence[Example], bins: Sequence[Sequence[int]], pad
     """tokens, loss_mask and segment_ids [rows, length] of `examples` packed as `bins` say
     (rows beyond the bins are all padding); with a `context_weight`, a `context_mask` of that
     weight on each conversation's other tokens from `context_start` on (the end of the
-    system prompt), as `muajax.train.batching.sft_batch` gives unpacked rows."""
+    system prompt), as `muajax.runtime.host_batch.sft_batch` gives unpacked rows."""
     if len(bins) > rows:
         raise ValueError(f"{len(bins)} packed rows do not fit a batch of {rows}")
     tokens = np.full((rows, length), pad_id, np.int32)

@@ -3,7 +3,7 @@
 - `copy_warmup`: synthetic span copying over the model's vocabulary
   (`muajax.rl.sft.copy_warmup_batch`);
 - `domain_warmup`: short windows of the built-in expert's conversations in other shops,
-  each ending at a tool call (`muajax.domains.builtin.warmup`), with the loss on the
+  each ending at a tool call (`muajax.domains.builtin.copy_windows`), with the loss on the
   assistant's tokens. `python -m muajax.pretrain` is this warm-up, run on its own.
 
 Each is a run of the SFT step with a fresh optimizer (its state is not kept), rows drawn
@@ -20,13 +20,13 @@ import numpy as np
 
 from muajax.agent.chat import im_end_id, render_messages_ids
 from muajax.domains.builtin.base_record import read_base_record, write_base_record
-from muajax.domains.builtin.warmup import warmup_shop_seeds
+from muajax.domains.builtin.copy_windows import warmup_shop_seeds
 from muajax.models.hf import save_hf
 from muajax.models.vocab import DOMAIN_VOCAB_FILE
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import copy_warmup_batch, make_sft_step
-from muajax.train import build, distributed
-from muajax.train.batching import LENGTH_MULTIPLE, batch_divisor, common_prefix, pad_to_multiple, sft_batch
+from muajax.runtime import build, distributed
+from muajax.runtime.host_batch import LENGTH_MULTIPLE, batch_divisor, common_prefix, pad_to_multiple, sft_batch
 from muajax.train.context import RunContext, build_context
 from muajax.train.loop import CallbackHook, ProgressHook, run_steps
 

@@ -2,7 +2,7 @@
 import json
 
 from muajax.domains.builtin import BuiltinEnvironment, is_affirmative
-from muajax.domains.builtin.warmup import tool_call_windows, warmup_shop_seeds, warmup_windows
+from muajax.domains.builtin.copy_windows import tool_call_windows, warmup_shop_seeds, warmup_windows
 
 
 def test_windows_end_on_a_tool_call_and_open_on_a_user_turn():

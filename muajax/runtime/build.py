@@ -17,7 +17,7 @@ from muajax.domains.base import Environment
 from muajax.domains.builtin import BuiltinEnvironment
 from muajax.domains.builtin.base_record import seen_shops
 from muajax.domains.builtin.expert import expert_conversation
-from muajax.domains.builtin.warmup import warmup_windows as builtin_warmup_windows
+from muajax.domains.builtin.copy_windows import warmup_windows as builtin_warmup_windows
 from muajax.models.hf import load_config, load_params
 from muajax.models.presets import preset_config
 from muajax.models.qwen3 import Qwen3Config, init_params

@@ -7,8 +7,8 @@ import pytest
 
 from muajax.models.qwen3 import Qwen3Config, init_params
 from muajax.rl.sft import sft_loss_fn
-from muajax.train.batching import sft_batch
-from muajax.train.packing import pack, packed_batch, plan_packing
+from muajax.runtime.host_batch import sft_batch
+from muajax.runtime.packing import pack, packed_batch, plan_packing
 
 PAD = 0
 
