@@ -14,9 +14,9 @@ from muajax.engine.paged_attention import ATTENTION_CHOICES
 class RolloutMeshConfig(Checked):
     """The engine's own layout: axis sizes over one process's devices (-1: the rest)."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = -1
+    data: int = 1  # conversations split over this many devices, weights replicated
+    fsdp: int = 1  # conversations split over this many devices, weights sharded
+    tensor: int = -1  # tensor parallelism over heads, MLP width and vocabulary
 
     def validate(self) -> None:
         sizes = {n: getattr(self, n) for n in ("data", "fsdp", "tensor")}
@@ -27,16 +27,20 @@ class RolloutMeshConfig(Checked):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig(Checked):
+    """How rollouts run: the GRPO group, turn and length limits, sampling and the engine."""
+
     n_per_task: int = bounded(8, ge=1)  # rollouts per task: the GRPO group
     tasks_per_step: int = bounded(32, ge=1)  # tasks of one GRPO step (the trainer's)
-    max_turns: int = bounded(30, ge=1)  # user replies and tool observations both count
-    max_new_tokens_per_turn: int = bounded(1024, ge=1)
+    max_turns: int = bounded(30, ge=1)  # turns per episode; user replies and tool observations both count
+    max_new_tokens_per_turn: int = bounded(1024, ge=1)  # tokens the agent may sample in one turn
     max_context: int = bounded(32768, ge=2)  # tokens of one conversation, prompt included
-    # sampling: checked by the engine's `SamplingParams`, the one place its rules live
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k truncation
-    end_on_malformed_call: bool = False  # the released code ends; an error observation is friendlier
+    # sampling (checked by the engine's `SamplingParams`, the one place its rules live):
+    temperature: float = 1.0  # the rollouts' sampling temperature (1: the policy's own distribution)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much mass; 1 = off
+    top_k: int = 0  # sample from the k likeliest tokens; 0 = no top-k truncation
+    # End the episode at a malformed tool call, as the released code does; False: an error
+    # observation (friendlier).
+    end_on_malformed_call: bool = False
     # Rollouts whose user or setup failed (user_error, setup_error) are left out of the update;
     # when more than this share of a step's rollouts failed, training stops (after saving).
     max_failed_share: float = bounded(0.5, ge=0, le=1)
@@ -52,7 +56,7 @@ class RolloutConfig(Checked):
     # training, as MUA-RL ran it (evaluation turns it on with `eval.communicate_info`).
     communicate_info: bool = False
     system_text: str | None = None  # the agent's system prompt; None = the domain's policy
-    user_timeout_s: float | None = bounded(None, gt=0)  # one whole user turn, on top of the simulator's own
+    user_timeout_s: float | None = bounded(None, gt=0)  # seconds for one whole user turn, on top of the simulator's own
     tool_workers: int = bounded(8, ge=1)  # threads for tool calls and evaluation
     # False = the reference mode that waits for every pending user reply / tool result
     # before decoding anything else (the benchmark's baseline; also handy when debugging).
@@ -62,9 +66,9 @@ class RolloutConfig(Checked):
     # preempted). Or `kv_cache_share`: that share of the free accelerator memory, per device,
     # where the backend reports it (device.memory_stats()).
     kv_cache_tokens: int | None = bounded(None, ge=1)
-    kv_cache_share: float | None = bounded(None, gt=0, le=1)
-    page_size: int | None = bounded(None, ge=1)  # None: 128 with the Pallas kernel, else 16
-    attention: Literal[ATTENTION_CHOICES] = "auto"  # auto: the Pallas kernel on TPU, else pure JAX
+    kv_cache_share: float | None = bounded(None, gt=0, le=1)  # the pool as this share of free memory
+    page_size: int | None = bounded(None, ge=1)  # tokens per KV page; None: 128 with the Pallas kernel, else 16
+    attention: Literal[ATTENTION_CHOICES] = "auto"  # the engine's; auto: the Pallas kernel on TPU, else pure JAX
     # The engine's layout over one process's devices (several processes: one engine each);
     # None: tensor parallel over a host's devices on TPU and GPU, the training mesh on CPU.
     mesh: RolloutMeshConfig | None = None

@@ -40,10 +40,12 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    name: str = "muajax"
-    out_dir: str = "runs"
-    seed: int = 0
-    stages: tuple[Stage, ...] = ("grpo",)
+    """The run: its name, where it writes, its seed and which stages it runs."""
+
+    name: str = "muajax"  # the run's directory name, under out_dir (<out_dir>/<name>)
+    out_dir: str = "runs"  # the folder that holds the runs' directories
+    seed: int = 0  # seeds initial params, task order, sampling and the warm-up data
+    stages: tuple[Stage, ...] = ("grpo",)  # the stages run, in order: "sft" (cold start), then "grpo"
     # jax's persistent compilation cache: a resumed (or repeated) run reads its compiled
     # programs back instead of compiling them again. Shared safely between runs.
     compilation_cache_dir: str | None = None
@@ -62,17 +64,17 @@ class ArchConfig:
     """An inline architecture: by default a tiny Qwen3 for CPU runs and tests (with Qwen3's
     vocabulary, so the real tokenizer's ids fit)."""
 
-    vocab_size: int = bounded(151936, ge=1)
-    hidden_size: int = bounded(64, ge=1)
-    intermediate_size: int = bounded(128, ge=1)
-    num_layers: int = bounded(2, ge=1)
-    num_heads: int = bounded(4, ge=1)
-    num_kv_heads: int = bounded(2, ge=1)
-    head_dim: int = bounded(16, ge=1)
-    rope_theta: float = bounded(1_000_000.0, gt=0)
-    rms_norm_eps: float = bounded(1e-6, gt=0)
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = bounded(40960, ge=1)
+    vocab_size: int = bounded(151936, ge=1)  # token ids (Qwen3's tokenizer: 151936)
+    hidden_size: int = bounded(64, ge=1)  # the residual stream's width
+    intermediate_size: int = bounded(128, ge=1)  # the MLP's hidden width
+    num_layers: int = bounded(2, ge=1)  # transformer blocks
+    num_heads: int = bounded(4, ge=1)  # query heads
+    num_kv_heads: int = bounded(2, ge=1)  # key/value heads (grouped-query attention)
+    head_dim: int = bounded(16, ge=1)  # width of one attention head (even: rotary embeddings)
+    rope_theta: float = bounded(1_000_000.0, gt=0)  # the rotary embeddings' base
+    rms_norm_eps: float = bounded(1e-6, gt=0)  # RMSNorm's epsilon
+    tie_word_embeddings: bool = True  # the LM head reuses the embedding table
+    max_position_embeddings: int = bounded(40960, ge=1)  # the longest sequence; rollout.max_context must fit
 
     def validate(self) -> None:
         check(self.num_heads % self.num_kv_heads == 0, "num_heads", f"({self.num_heads}) must be a multiple "
@@ -83,11 +85,14 @@ class ArchConfig:
 class ModelConfig:
     """Exactly one source: a named `preset`, an HF checkpoint folder `hf_dir`, or `arch`."""
 
-    preset: str | None = None
-    hf_dir: str | None = None
-    arch: ArchConfig | None = dataclasses.field(default_factory=ArchConfig)
-    param_dtype: Dtype = "float32"
-    dtype: Dtype = "float32"
+    preset: str | None = None  # a named Qwen3 architecture (configs/models/<name>.yaml, e.g. qwen3-8b)
+    hf_dir: str | None = None  # an HF Qwen3 checkpoint folder (config, weights, tokenizer) to start from
+    arch: ArchConfig | None = dataclasses.field(default_factory=ArchConfig)  # an inline architecture
+    param_dtype: Dtype = "float32"  # the dtype the params are kept and trained in
+    dtype: Dtype = "float32"  # the compute (activation) dtype
+    # Training's rematerialization per layer: "none" keeps every activation, "full" recomputes
+    # them in the backward pass, "dots" keeps the matmul outputs, "dots_no_batch" those with no
+    # batch dimension.
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     # Full-sequence attention (training, SFT, the shared-prefix forward): splash on TPU,
     # cuDNN on GPU, blockwise `chunked` on CPU past a length; `xla` is the einsum reference.
@@ -116,10 +121,10 @@ class MeshConfig:
     -1, meaning "all remaining devices". `sequence` > 1 splits each row's positions over
     that many devices (context parallelism, for rows too long for one device)."""
 
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
-    sequence: int = 1
+    data: int = 1  # data parallelism with replicated weights
+    fsdp: int = -1  # data parallelism with weights and optimizer state sharded (ZeRO-3 style)
+    tensor: int = 1  # tensor parallelism over heads, MLP width and vocabulary
+    sequence: int = 1  # context parallelism: each row's positions split over this many devices
     # The slice the run is sized for (v5p-128, v6e-64, v5p:4x4x4, or h100:8 for a GPU node):
     # what `python -m muajax.plan --config` compiles for. The trainer uses the devices it finds.
     topology: str | None = None
@@ -145,33 +150,36 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    # "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is evaluation-only: no train split
+    """The environment: the task domain(s), their splits and the built-in domain's data."""
+
+    # The tasks' domain; "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is
+    # evaluation-only: no train split
     domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl"] = "builtin"
     # several τ2 domains trained together (e.g. [retail, airline]); overrides `domain`
     domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
-    builtin_seed: int = 0  # the built-in domain's database and tasks
+    builtin_seed: int = 0  # seeds the built-in domain's database and tasks
     builtin_terse_tools: bool = False  # shorter tool schemas in the prompt (tiny CPU runs)
     # The built-in database's size: many distinct users (names, zips, ids) make a tiny model
     # learn to copy from the conversation rather than memorise the few it saw.
     builtin_users: int = bounded(60, ge=2, le=300)
-    builtin_test_users: int = bounded(12, ge=0)  # 0: shared users, held-out tasks
-    builtin_train_tasks: int = bounded(200, ge=1)
-    builtin_test_tasks: int = bounded(50, ge=1)
+    builtin_test_users: int = bounded(12, ge=0)  # users only the test split has; 0: shared users, held-out tasks
+    builtin_train_tasks: int = bounded(200, ge=1)  # tasks in the built-in domain's train split
+    builtin_test_tasks: int = bounded(50, ge=1)  # tasks in the built-in domain's test split
     # A "validation" split of this many tasks from the train users (none duplicates a train
     # task): tune on it, and keep the test split for the figures you report.
     builtin_validation_tasks: int = bounded(0, ge=0)
     # The share of each task kind in both splits (kind -> weight; null: the domain's own mix).
     builtin_kind_weights: dict[str, float] | None = None
     bfcl_category: Literal["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
-                           "multi_turn_long_context"] = "multi_turn_base"
-    train_split: str = "train"
-    eval_split: str = "test"
+                           "multi_turn_long_context"] = "multi_turn_base"  # BFCL-v3's multi-turn category
+    train_split: str = "train"  # the split training draws its tasks from
+    eval_split: str = "test"  # the split evaluations run on
     # At most this many train tasks from each domain (the first of its train split): smoke runs.
     max_train_tasks: int | None = bounded(None, ge=1)
     # τ2's agent tools: "muajax" adds MUA-RL's general think (and calculate where τ2 lacks
     # it); "tau2" is exactly the list τ2's own agent gets (python -m muajax.eval uses it).
     tau2_tools: Literal["muajax", "tau2"] = "muajax"
-    mcp: McpConfig = dataclasses.field(default_factory=McpConfig)
+    mcp: McpConfig = dataclasses.field(default_factory=McpConfig)  # MCP servers and scenarios (env.domain mcp)
 
     def validate(self) -> None:
         check(self.domain != "mcp" or bool(self.mcp.scenarios), "mcp.scenarios",
@@ -187,14 +195,14 @@ class EnvConfig:
 class UserConfig:
     """The simulated user. For `openai` the key is read from the env var `api_key_env`."""
 
-    kind: Literal["scripted", "openai"] = "scripted"
-    base_url: str | None = None
-    model: str | None = None
-    api_key_env: str | None = "OPENAI_API_KEY"
-    timeout_s: float = bounded(60.0, gt=0)
-    max_retries: int = bounded(3, ge=0)
-    max_concurrency: int = bounded(16, ge=1)
-    temperature: float = bounded(0.0, ge=0)  # the paper's simulated user ran greedy in training
+    kind: Literal["scripted", "openai"] = "scripted"  # "scripted" (built-in domain only) or "openai" (an LLM endpoint)
+    base_url: str | None = None  # the OpenAI-compatible endpoint; None: https://api.openai.com/v1
+    model: str | None = None  # the endpoint's model name (required for "openai")
+    api_key_env: str | None = "OPENAI_API_KEY"  # the NAME of the variable holding the key (local hosts need none)
+    timeout_s: float = bounded(60.0, gt=0)  # seconds per request to the endpoint
+    max_retries: int = bounded(3, ge=0)  # retries of a failed request (with backoff) before the reply fails
+    max_concurrency: int = bounded(16, ge=1)  # requests in flight at once, over all sessions
+    temperature: float = bounded(0.0, ge=0)  # its sampling temperature (the paper's ran greedy in training)
 
     def validate(self) -> None:
         check(self.kind != "openai" or bool(self.model), "model", "is required when user.kind is 'openai'")
@@ -205,19 +213,21 @@ class UserConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
+    """The supervised cold start (stage "sft") on conversations, before GRPO."""
+
     data: str | None = None  # a JSONL file of conversations (python -m muajax.synth)
     # With no data on the built-in domain, the scripted expert writes it; this share of its
     # tasks it handles carelessly (writes before the user confirms), like real cold-start data.
     expert_careless: float = bounded(0.3, ge=0, le=1)
-    steps: int | None = bounded(None, ge=1)  # caps the epochs
-    weight_decay: float = bounded(0.01, ge=0)
-    grad_clip: float | None = bounded(1.0, gt=0)
-    epochs: int = bounded(2, ge=1)
-    batch_size: int = bounded(128, ge=1)
-    learning_rate: float = bounded(5e-6, gt=0)
-    schedule: Schedule = "warmup_cosine"
-    warmup_ratio: float = bounded(0.0, ge=0, lt=1)
-    max_len: int = bounded(32768, ge=1)
+    steps: int | None = bounded(None, ge=1)  # if set, caps the steps the epochs make
+    weight_decay: float = bounded(0.01, ge=0)  # AdamW's, on every parameter
+    grad_clip: float | None = bounded(1.0, gt=0)  # the gradients' global-norm bound; null: no clipping
+    epochs: int = bounded(2, ge=1)  # passes over the data
+    batch_size: int = bounded(128, ge=1)  # conversations per update
+    learning_rate: float = bounded(5e-6, gt=0)  # the peak learning rate
+    schedule: Schedule = "warmup_cosine"  # "warmup_cosine": linear warmup, then cosine decay to 0
+    warmup_ratio: float = bounded(0.0, ge=0, lt=1)  # the share of the steps spent in linear warmup
+    max_len: int = bounded(32768, ge=1)  # tokens per conversation; longer ones are cut
     # Rows per gradient pass (a multiple of data*fsdp); several passes add up to one update.
     microbatch_size: int | None = bounded(None, ge=1)
     # Positions per LM-head chunk: the [T, V] logits never exist at once (any T works).
@@ -235,14 +245,14 @@ class SFTConfig:
     # the in-context copying a pretrained base model brings, for models trained from
     # scratch (the embedded default). 0 for pretrained checkpoints.
     copy_warmup_steps: int = bounded(0, ge=0)
-    copy_warmup_length: int = bounded(256, ge=4)
+    copy_warmup_length: int = bounded(256, ge=4)  # tokens per copy row (a span, then the span again)
     # Steps on short windows of the built-in domain's expert conversations in *other* shops
     # (other database seeds), each ending at a tool call, before the SFT data: dense practice
     # at copying names, zips and ids into calls, which a model trained from scratch lacks
     # (muajax.domains.builtin.copy_windows). Built-in domain only; 0 for pretrained checkpoints.
     domain_warmup_steps: int = bounded(0, ge=0)
-    domain_warmup_batch_size: int = bounded(32, ge=1)
-    domain_warmup_shops: int = bounded(8, ge=1)
+    domain_warmup_batch_size: int = bounded(32, ge=1)  # windows per domain warm-up step
+    domain_warmup_shops: int = bounded(8, ge=1)  # the other shops: seeds env.builtin_seed+1 .. +this
     # Open each window with the run's system prompt (policy and tools; shared, so computed
     # once per batch): a model that never saw that prompt is lost behind it.
     domain_warmup_system_prompt: bool = False
@@ -255,16 +265,20 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    """Checkpoints of each stage: where, how often, how many are kept."""
+
     dir: str | None = None  # None: <run.out_dir>/<run.name>/checkpoints
-    every_steps: int = bounded(10, ge=1)
-    keep: int = bounded(3, ge=1)
+    every_steps: int = bounded(10, ge=1)  # save every this many steps (and on a preemption signal)
+    keep: int = bounded(3, ge=1)  # the newest this many checkpoints are kept
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricsConfig:
-    jsonl: bool = True
-    tensorboard: bool = True
-    progress_bar: bool = True
+    """What the run logs, and an optional profiler trace."""
+
+    jsonl: bool = True  # one record per step in <run>/metrics.jsonl (SFT: <run>/sft/metrics.jsonl)
+    tensorboard: bool = True  # TensorBoard event files in the metrics folder's tensorboard/
+    progress_bar: bool = True  # a progress bar on the main process
     # [first, last]: a jax.profiler trace of those steps (1-based, inclusive; each stage's own
     # steps) into <run>/profile (SFT: <run>/sft/profile), for TensorBoard or ui.perfetto.dev
     profile_steps: tuple[int, ...] | None = None
@@ -278,8 +292,10 @@ class MetricsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
+    """Evaluations of the policy on env.eval_split."""
+
     trials: int = bounded(4, ge=1)  # τ2's n for pass^k
-    temperature: float = bounded(0.0, ge=0)
+    temperature: float = bounded(0.0, ge=0)  # sampling temperature; 0 (greedy) runs one trial per task
     communicate_info: bool = True  # τ-bench's output check: dropped in training, kept here
     max_tasks: int | None = bounded(None, ge=1)  # evaluate on the first N tasks of the split
     # The simulated user of evaluations (the trainer's and `python -m muajax.eval` on this

@@ -30,30 +30,34 @@ Schedule = Literal["constant", "warmup_cosine"]
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(Checked):
+    """The GRPO update (stage "grpo"): optimizer, clipping, KL and advantage settings."""
+
     steps: int | None = bounded(None, ge=1)  # if set, caps the run; else `epochs` over the tasks
-    epochs: int = bounded(30, ge=1)  # the released script; the paper reports 25
-    learning_rate: float = bounded(1e-6, gt=0)
-    schedule: Schedule = "constant"
-    warmup_steps: int = bounded(0, ge=0)
-    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1)
-    weight_decay: float = bounded(0.01, ge=0)
-    grad_clip: float | None = bounded(1.0, gt=0)
-    clip_low: float = bounded(0.2, gt=0, lt=1)  # 1 - clip_low must stay positive
-    clip_high: float = bounded(0.2, gt=0)
-    dual_clip: float | None = bounded(3.0, gt=1)  # bounds the loss at c*|A| when A < 0
-    kl_coef: float = bounded(0.001, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    epochs: int = bounded(30, ge=1)  # passes over the train tasks (the released script's; the paper reports 25)
+    learning_rate: float = bounded(1e-6, gt=0)  # AdamW's (the peak, with a schedule)
+    schedule: Schedule = "constant"  # "warmup_cosine": linear warmup, then cosine decay to 0
+    warmup_steps: int = bounded(0, ge=0)  # optimizer updates of linear warmup from 0
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0, lt=1)  # AdamW's (b1, b2)
+    weight_decay: float = bounded(0.01, ge=0)  # AdamW's, on every parameter (norms too, as verl)
+    grad_clip: float | None = bounded(1.0, gt=0)  # the gradients' global-norm bound; null: no clipping
+    clip_low: float = bounded(0.2, gt=0, lt=1)  # the ratio's lower clip is 1 - clip_low (kept positive)
+    clip_high: float = bounded(0.2, gt=0)  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
+    dual_clip: float | None = bounded(3.0, gt=1)  # c: bounds the loss at c*|A| when A < 0; null: no dual clip
+    kl_coef: float = bounded(0.001, ge=0)  # weight of the per-token KL to the reference; 0: no reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1: logp - ref; k2: half its square; k3: verl's low_var_kl
     kl_clamp: float | None = bounded(10.0, gt=0)  # k3 is clamped to [-kl_clamp, kl_clamp]; null: unclamped
+    # How token losses reduce to the batch's: a mean over tokens, a mean of each sequence's mean,
+    # or each sequence's sum over the padded length, averaged over sequences (Dr. GRPO).
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    ratio_level: Literal["token", "sequence"] = "token"
-    advantage_scale: Literal["std", "none"] = "std"
-    advantage_eps: float = bounded(1e-6, gt=0)
+    ratio_level: Literal["token", "sequence"] = "token"  # per-token ratios (GRPO) or one per sequence (GSPO)
+    advantage_scale: Literal["std", "none"] = "std"  # divide by the group's std (GRPO) or not (Dr. GRPO)
+    advantage_eps: float = bounded(1e-6, gt=0)  # added to the group's std
     dynamic_sampling: bool = False  # DAPO: groups whose rollouts all scored alike are masked out
     # Rows per optimizer update: None = the whole rollout batch, one update per step (the
     # paper's). With it, each step makes ppo_epochs passes over the batch in mini-batches
     # of this size, as verl's ppo_mini_batch_size and ppo_epochs do.
     minibatch_size: int | None = bounded(None, ge=1)
-    ppo_epochs: int = bounded(1, ge=1)
+    ppo_epochs: int = bounded(1, ge=1)  # passes over the rollout batch per step (needs minibatch_size)
     # rows per gradient pass within one update: a multiple of data*fsdp (each device takes whole rows)
     microbatch_size: int | None = bounded(None, ge=1)
     logits_chunk: int | None = bounded(None, ge=1)  # positions per LM-head chunk: never all [T, V] at once

@@ -66,12 +66,12 @@ def _read_env(name: str, where: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class McpServerConfig(Checked):
     command: str | None = None  # stdio: the program that serves MCP on its stdin/stdout
-    args: tuple[str, ...] = ()
-    cwd: str | None = None
+    args: tuple[str, ...] = ()  # stdio: the program's arguments
+    cwd: str | None = None  # stdio: the server's working directory; None: muajax's
     env_vars: tuple[str, ...] = ()  # NAME or SERVER_NAME=NAME: muajax's variables the server gets
-    env: dict[str, str] = dataclasses.field(default_factory=dict)  # literal values, or "${NAME}"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # stdio: extra variables, literal or "${NAME}"
     url: str | None = None  # streamable HTTP: the server's MCP endpoint (e.g. http://host:8000/mcp)
-    headers_env: dict[str, str] = dataclasses.field(default_factory=dict)  # header -> NAME of its value
+    headers_env: dict[str, str] = dataclasses.field(default_factory=dict)  # HTTP: header -> NAME of its value
     shared: bool = False  # one connection for every session (the server's state is then shared)
     call_timeout: float = bounded(30.0, gt=0)  # seconds per tool call
     startup_timeout: float = bounded(60.0, gt=0)  # seconds to start (stdio) or connect, and list the tools
@@ -157,8 +157,8 @@ class McpConfig(Checked):
     A scenario's `server:` is a mapping of its own, or the name of one of `servers`; with
     one server here, a scenario that gives none uses it."""
 
-    servers: dict[str, McpServerConfig] = dataclasses.field(default_factory=dict)
-    scenarios: tuple[str, ...] = ()
+    servers: dict[str, McpServerConfig] = dataclasses.field(default_factory=dict)  # by name (a scenario's `server:`)
+    scenarios: tuple[str, ...] = ()  # scenario files (JSON or YAML): the server, tasks and checks
 
     def server(self, name: str, where: str) -> McpServerConfig:
         if name not in self.servers:
