@@ -41,5 +41,5 @@ Modules: pages.py (host: page pool, page tables, refcounts, preemption, shared p
 batching.py (host: rows per shard, buckets, chunked extends), kv_cache.py (device: the pool
 and shard-local page gathers/writes), paged_attention.py (pure-JAX and Pallas attention over
 pages), programs.py (the jitted extend and decode programs), precompile.py (compiling them all
-ahead), sampling.py, engine.py.
+ahead), sampling.py, generation.py (SamplingParams, Generation), engine.py.
 """
