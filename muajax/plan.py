@@ -47,7 +47,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # Flags that describe the run itself: a config describes it instead (change it with --set).
 DEFAULT_LOGITS_CHUNK = 2048  # LM-head positions at a time: never [rows, 32K, 152K] logits
-RUN_FLAGS = ("model", "batch", "groups", "seq", "microbatch", "minibatch", "remat", "param_dtype", "dtype",
+RUN_FLAGS = ("model", "batch", "seq", "microbatch", "minibatch", "remat", "param_dtype", "dtype",
              "kl_coef", "logits_chunk", "slots", "max_len", "kv_cache_tokens", "page_size", "sft_batch",
              "sft_microbatch", "keep_kv_pool")
 
@@ -93,7 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "else fsdp=-1)")
     # the run, without a config
     p.add_argument("--batch", type=int, default=None, help="rollouts per GRPO step (default 256)")
-    p.add_argument("--groups", type=int, default=None, help="tasks per step: GRPO groups (default batch / 8)")
     p.add_argument("--seq", type=int, default=None, help="padded sequence length (default 32768)")
     p.add_argument("--microbatch", type=int, default=None,
                    help="rows per microbatch (default: one row per batch device, data x fsdp: the least memory)")
@@ -164,7 +163,7 @@ def settings_from_flags(args) -> PlanSettings:
     sft = SFTConfig(batch_size=_or(args.sft_batch, 128), microbatch_size=args.sft_microbatch, max_len=seq)
     engine = EngineSettings(num_slots=_or(args.slots, batch), max_len=_or(args.max_len, seq),
                             kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
-    return PlanSettings(batch=batch, num_groups=_or(args.groups, max(batch // 8, 1)), seq=seq, grpo=grpo, sft=sft,
+    return PlanSettings(batch=batch, seq=seq, grpo=grpo, sft=sft,
                         sft_seq=args.sft_seq, shared_prefix=args.shared_prefix, engine=engine,
                         keep_kv_during_update=bool(args.keep_kv_pool),
                         phases=args.phases or ("rollout", "update"), exact_oom=args.exact_oom)

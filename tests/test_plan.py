@@ -89,7 +89,7 @@ def test_plan_a_run_config_as_the_trainer_runs_it(config):
     # 2 x 4 rollouts in microbatches of 4; SFT's 8 rows likewise; the engine: every rollout, max_context
     assert out["rows"] == {"grpo": {"batch": 8, "microbatches": 2, "padded": 8},
                            "sft": {"batch": 8, "microbatches": 2, "padded": 8}}
-    assert out["settings"]["num_groups"] == 4 and out["settings"]["seq"] == 256
+    assert out["settings"]["seq"] == 256
     assert out["settings"]["engine"]["num_slots"] == 8 and out["settings"]["engine"]["max_len"] == 256
     rollout, update, sft = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
     assert update["reference model"] == update["train state: params"]  # float32, as run_grpo keeps it

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from muajax.domains.base import WRITES_CONFIRMED, confirm_before_write_rate
-from muajax.models.tokenizer import PAD_ID
 
 # Why an episode ended. The first group are normal ends; the errors mark episodes whose
 # outcome says nothing about the policy (the trainer may drop or down-weight them).
@@ -103,45 +102,6 @@ class Trajectory:
                              "sampled spans")
         if np.any(np.asarray(self.logprobs)[~mask] != 0.0):
             raise ValueError(f"trajectory {self.task_id}/{self.rollout_index}: nonzero logprob off the mask")
-
-
-def collate(trajectories: Sequence[Trajectory], *, pad_id: int = PAD_ID, length: int | None = None,
-            multiple: int = 1) -> dict[str, np.ndarray]:
-    """The GRPO batch: tokens int32 [B, T] (right-padded with `pad_id`), loss_mask int32
-    [B, T], old_logprobs float32 [B, T], rewards float32 [B], group_ids int32 [B].
-
-    T is `length` if given, else the longest trajectory rounded up to `multiple` (fewer
-    distinct shapes, fewer compilations). Group ids are renumbered densely 0..G-1 by
-    (task_id, group_id), so batches from several rollout calls can be joined.
-    """
-    if not trajectories:
-        raise ValueError("collate needs at least one trajectory")
-    if multiple < 1:
-        raise ValueError(f"multiple must be >= 1, got {multiple}")
-    longest = max(len(t.tokens) for t in trajectories)
-    if length is None:
-        length = max(1, -(-longest // multiple) * multiple)
-    elif length < longest:
-        raise ValueError(f"length={length} is shorter than the longest trajectory ({longest} tokens)")
-    b = len(trajectories)
-    tokens = np.full((b, length), pad_id, np.int32)
-    mask = np.zeros((b, length), np.int32)
-    logprobs = np.zeros((b, length), np.float32)
-    rewards = np.zeros((b,), np.float32)
-    group_ids = np.zeros((b,), np.int32)
-    groups: dict[tuple[str, int], int] = {}
-    for i, t in enumerate(trajectories):
-        n = len(t.tokens)
-        if len(t.loss_mask) != n or len(t.logprobs) != n:
-            raise ValueError(f"trajectory {i} ({t.task_id}/{t.rollout_index}): tokens, loss_mask and logprobs "
-                             "have different lengths")
-        tokens[i, :n] = t.tokens
-        mask[i, :n] = t.loss_mask
-        logprobs[i, :n] = t.logprobs
-        rewards[i] = t.reward
-        group_ids[i] = groups.setdefault((t.task_id, t.group_id), len(groups))
-    return {"tokens": tokens, "loss_mask": mask, "old_logprobs": logprobs, "rewards": rewards,
-            "group_ids": group_ids}
 
 
 class RolloutBatch(list):

@@ -32,7 +32,6 @@ PHASES = ("rollout", "update", "sft")
 @dataclasses.dataclass(frozen=True)
 class PlanSettings:
     batch: int = 256                 # rollouts per GRPO step (n_per_task * tasks_per_step)
-    num_groups: int = 32             # tasks per step: the GRPO step's bound on group ids
     seq: int = 32768                 # the update's padded length (rollout.max_context at most)
     temperature: float = 1.0         # the rollout's
     grpo: GRPOConfig = GRPOConfig()
@@ -48,7 +47,7 @@ class PlanSettings:
         bad = sorted(set(self.phases) - set(PHASES))
         if bad or not self.phases:
             raise ValueError(f"phases {list(self.phases)}: choose from {list(PHASES)}")
-        for name in ("batch", "seq", "num_groups"):
+        for name in ("batch", "seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.sft_seq is not None and self.sft_seq < 1:
@@ -82,7 +81,7 @@ def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None
     # tasks), which needs the domain's task list: the plan covers the GRPO step's.
     engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context, kv_cache_tokens=r.kv_cache_tokens,
                             page_size=r.page_size, attention=r.attention, mesh=r.mesh)
-    values = dict(batch=batch, num_groups=r.tasks_per_step, seq=r.max_context, temperature=r.temperature,
+    values = dict(batch=batch, seq=r.max_context, temperature=r.temperature,
                   grpo=cfg.grpo, sft=cfg.sft, engine=engine, keep_kv_during_update=r.keep_kv_pool, phases=phases)
     return PlanSettings(**{**values, **overrides})
 
@@ -124,7 +123,7 @@ class Plan:
 
     def to_json(self) -> dict:
         lines, s = self.rooflines(), self.settings
-        settings = {"batch": s.batch, "num_groups": s.num_groups, "seq": s.seq, "temperature": s.temperature,
+        settings = {"batch": s.batch, "seq": s.seq, "temperature": s.temperature,
                     "kl_coef": s.grpo.kl_coef, "logits_chunk": s.grpo.logits_chunk,
                     "microbatch_size": s.grpo.microbatch_size, "minibatch_size": s.grpo.minibatch_size,
                     "shared_prefix": s.shared_prefix, "keep_kv_during_update": s.keep_kv_during_update,
@@ -165,7 +164,7 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
     if "rollout" in s.phases or "update" in s.phases:
         k = s.microbatches
         step, state = grpo_program(cfg, device_mesh, s.grpo, rows=s.update_rows, seq=s.seq, microbatches=k,
-                                   num_groups=s.num_groups, temperature=s.temperature, shared_prefix=s.shared_prefix)
+                                   temperature=s.temperature, shared_prefix=s.shared_prefix)
         train = dict(step.resident_args)
         rows["grpo"] = {"batch": s.update_rows, "microbatches": k,
                         "padded": padded_batch(s.update_rows, k, device_mesh)}

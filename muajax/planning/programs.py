@@ -2,7 +2,7 @@
 abstract sharded arguments (nothing is allocated).
 
 - `grpo_program`: `muajax.rl.grpo.make_grpo_step` called as `muajax.train.grpo.run_grpo`
-  calls it (its GRPOConfig, num_groups = tasks per step, the rollout temperature, the
+  calls it (its GRPOConfig, the rollout temperature, the
   microbatches the config's microbatch_size gives), on the rows the trainer pads a batch
   to, with the reference model as the trainer keeps it: a copy of the params in their own
   dtype (float32 master weights when param_dtype is float32).
@@ -66,17 +66,16 @@ def state_parts(state) -> dict[str, int]:
 
 
 def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, *, rows: int, seq: int, microbatches: int,
-                 num_groups: int, temperature: float = 1.0, shared_prefix: int = 0):
+                 temperature: float = 1.0, shared_prefix: int = 0):
     """(program, abstract train state) of one GRPO update over `rows` rows (one update's:
     the batch, or a mini-batch) padded as the trainer pads them."""
     step = make_grpo_step(cfg, optimizer_from_config(grpo, total_steps=1000), mesh, grpo=grpo,
-                          temperature=max(temperature, 1e-6), num_groups=num_groups, shared_prefix=shared_prefix,
+                          temperature=max(temperature, 1e-6), shared_prefix=shared_prefix,
                           microbatches=microbatches)
     state = step.abstract_state(model_abstract_params(cfg))
     padded = padded_batch(rows, microbatches, mesh)
     data = _batch(mesh, {"tokens": ((padded, seq), jnp.int32), "loss_mask": ((padded, seq), jnp.int32),
-                         "old_logprobs": ((padded, seq), jnp.float32), "rewards": ((padded,), jnp.float32),
-                         "group_ids": ((padded,), jnp.int32)})
+                         "old_logprobs": ((padded, seq), jnp.float32), "advantages": ((padded,), jnp.float32)})
     resident = state_parts(state)
     args = (state, data)
     if grpo.uses_reference:  # run_grpo: jax.device_put(params, step_fn.param_shardings), the params' dtype

@@ -60,7 +60,7 @@ def lower_bound(cfg: Qwen3Config, mesh: dict[str, int], devices: list, settings:
     device_mesh = parallel.make_mesh(**mesh, devices=devices)
     k = settings.microbatches
     step, state = grpo_program(cfg, device_mesh, settings.grpo, rows=settings.update_rows, seq=settings.seq,
-                               microbatches=k, num_groups=settings.num_groups, temperature=settings.temperature,
+                               microbatches=k, temperature=settings.temperature,
                                shared_prefix=settings.shared_prefix)
     parts = dict(step.resident_args)
     if settings.keep_kv_during_update:

@@ -1,7 +1,8 @@
 """GRPO as MUA-RL ran it: its settings (the `grpo:` section of a run config) and the update.
 
-The update is one instance of `muajax.rl.step.TrainStep`: group advantages from the
-whole batch's rewards, the clipped policy loss with dual clip and KL to the reference
+The update is one instance of `muajax.rl.step.TrainStep`: given each row's group
+advantage (`muajax.rl.advantages.group_advantages`, computed by the host batch over whole
+groups), the clipped policy loss with dual clip and KL to the reference
 (`muajax.rl.losses`), AdamW. Variants are value sets of the same settings: DAPO =
 clip_high 0.28, dynamic_sampling, kl_coef 0; GSPO = ratio_level sequence, clip_low 3e-4,
 clip_high 4e-4; Dr. GRPO = advantage_scale none, agg seq-mean-token-sum-norm.
@@ -19,7 +20,6 @@ from muajax import parallel
 from muajax.settings.fields import Checked, bounded, check
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.sharding import param_shardings
-from muajax.rl.advantages import group_advantages
 from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
 from muajax.rl.optim import Optimizer
 from muajax.rl.sequence import sequence_logprobs
@@ -164,27 +164,15 @@ def make_old_logprobs_fn(cfg: Qwen3Config, mesh, grpo: GRPOConfig, *, temperatur
     return old_logprobs
 
 
-def grpo_prepare_fn(grpo: GRPOConfig, num_groups: int | None) -> Callable[[dict], dict]:
-    """The batch's advantages: given, or from its rewards and group ids (over the whole
-    batch, before any microbatch split, so a group may straddle microbatches)."""
-
-    def prepare(batch):
-        for key in ("tokens", "loss_mask", "old_logprobs"):
-            if key not in batch:
-                raise KeyError(f"GRPO batch needs {key!r}; got keys {sorted(batch)}")
-        batch = dict(batch)
-        if "advantages" not in batch:
-            if "rewards" not in batch or "group_ids" not in batch:
-                raise KeyError("GRPO batch needs 'advantages' or both 'rewards' and 'group_ids'")
-            groups = num_groups or batch["rewards"].shape[0]
-            batch["advantages"] = group_advantages(batch.pop("rewards"), batch.pop("group_ids"), groups,
-                                                   scale=grpo.advantage_scale, eps=grpo.advantage_eps)
-        else:
-            batch.pop("rewards", None)
-            batch.pop("group_ids", None)
-        return batch
-
-    return prepare
+def grpo_prepare(batch: dict) -> dict:
+    """Check the batch's keys. Its advantages come with it, computed on the host over whole
+    groups before any split (`muajax.runtime.host_batch.with_advantages`), so a group may
+    straddle microbatches and mini-batches."""
+    for key in ("tokens", "loss_mask", "old_logprobs", "advantages"):
+        if key not in batch:
+            raise KeyError(f"GRPO batch needs {key!r}; got keys {sorted(batch)} (advantages come from "
+                           "muajax.runtime.host_batch.with_advantages)")
+    return dict(batch)
 
 
 def grpo_finalize(denom, sums) -> dict:
@@ -194,18 +182,17 @@ def grpo_finalize(denom, sums) -> dict:
 
 
 def make_grpo_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, grpo: GRPOConfig = GRPOConfig(),
-                   temperature: float = 1.0, num_groups: int | None = None, shared_prefix: int = 0,
+                   temperature: float = 1.0, shared_prefix: int = 0,
                    microbatches: int = 1, donate: bool = True) -> TrainStep:
     """The GRPO update. Call as `step(state, batch, ref_params)`; without KL (kl_coef == 0)
     as `step(state, batch)`: the reference model is then neither passed nor run.
 
-    `temperature` is the rollout's (logprobs are of the tempered distribution), `num_groups`
-    a static bound on group ids (None: the batch size), `shared_prefix` the tokens every row
-    starts with (the system prompt: computed once per batch)."""
+    `temperature` is the rollout's (logprobs are of the tempered distribution), `shared_prefix`
+    the tokens every row starts with (the system prompt: computed once per batch)."""
     shardings = param_shardings(cfg, mesh)
     loss = grpo_loss_fn(cfg, grpo, temperature=temperature, shared_prefix=shared_prefix)
     step = TrainStep(loss, optimizer, mesh, shardings, microbatches=microbatches,
-                     prepare_fn=grpo_prepare_fn(grpo, num_groups), finalize_fn=grpo_finalize,
+                     prepare_fn=grpo_prepare, finalize_fn=grpo_finalize,
                      frozen_shardings=shardings if grpo.uses_reference else None,
                      requires_frozen=grpo.uses_reference, donate=donate)
     step.model_cfg, step.grpo = cfg, grpo

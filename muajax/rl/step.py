@@ -14,15 +14,15 @@ Batch layout (every array's leading dim is the batch, sharded over (data, fsdp))
                              with any valid id;
   loss_mask    [B, T]        1 where tokens[b, t] was sampled by the agent;
   old_logprobs f32 [B, T]    the rollout's logprob of tokens[b, t] (GRPO);
-  rewards      f32 [B], group_ids int32 [B]  (GRPO; or `advantages` f32 [B] instead).
+  advantages   f32 [B]       each row's group advantage (GRPO).
 Masks and logprobs are indexed by the *token* they describe, as the rollout stores
 them. Inside the step, position t of the forward predicts token t+1: targets are
 tokens[:, 1:], their mask loss_mask[:, 1:] and old logprobs old_logprobs[:, 1:]
 (padded by one masked column so T stays T). Column 0 is never a target.
 
-GRPO advantages are computed inside the step from the whole batch's rewards before it
-is split into microbatches, so a group may straddle microbatches. A batch that carries
-`advantages` uses them as given (e.g. computed on the host after dynamic sampling).
+GRPO advantages arrive with the batch, computed on the host over whole groups
+(`muajax.runtime.host_batch.with_advantages`, the one place), so a group may straddle
+microbatches and mini-batches.
 """
 from __future__ import annotations
 

@@ -20,15 +20,12 @@ assembled. Each sizes its slots and pool from its own share of the conversations
 transfer per step and a full copy of the params on each host (sharded over its devices),
 so the model must fit one host's memory next to the KV cache.
 
-The global batch
-----------------
+Who rolls out what
+------------------
 Process p rolls out tasks [p*k, (p+1)*k) of the step (k = tasks_per_step / processes) with
 their global task indices, so rollout seeds, group ids and hence the trajectories are the
-ones a one-process run would produce. Each process collates its rows to the length all
-processes agree on, offsets its group ids, pads (with rows in no group: advantage 0), and
-`jax.make_array_from_process_local_data` joins the per-process blocks into global
-jax.Arrays with the step's batch sharding. Group advantages are then computed inside the
-step over the global batch.
+ones a one-process run would produce; `muajax.runtime.host_batch` joins the processes'
+rows into the step's global batch.
 
 Everything here is a no-op (or a plain call) with one process, so single-process runs
 take exactly the code path they always took. Every function that talks to other processes
@@ -49,8 +46,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from muajax import parallel
-from muajax.agent.trajectory import Trajectory, collate
-from muajax.runtime.host_batch import pad_rows
+from muajax.agent.trajectory import Trajectory
 
 T = TypeVar("T")
 
@@ -155,83 +151,6 @@ def from_main_process(fn: Callable[[], T]) -> T:
     if kind == "error":
         raise RuntimeError(f"process 0 failed: {value}")
     return value
-
-
-# ---------------------------------------------------------------------- the global batch
-
-
-def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, length_of: Callable[[int], int],
-                  first_group: int) -> dict:
-    """`collate` of this process's trajectories, at the length every process agrees on (the
-    largest `length_of(longest)`; a non-decreasing `length_of`, such as a bucket), with group
-    ids counted from `first_group` (its first task's global index)."""
-    length = length_of(max(len(t.tokens) for t in trajectories))
-    if not multiprocess():
-        return collate(trajectories, pad_id=pad_id, length=length)
-    length = max(allgather_ints(length))
-    batch = collate(trajectories, pad_id=pad_id, length=length)
-    batch["group_ids"] = batch["group_ids"] + np.int32(first_group)
-    return batch
-
-
-def _rows_by_process(sharding: NamedSharding, shape: tuple[int, ...]) -> dict[int, frozenset[int]]:
-    rows: dict[int, set[int]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-        rows.setdefault(device.process_index, set()).update(range(*index[0].indices(shape[0])))
-    return {p: frozenset(r) for p, r in rows.items()}
-
-
-def _blocks_are_disjoint(sharding: NamedSharding, shape: tuple[int, ...], per_process: int) -> bool:
-    """True when each process's devices hold exactly `per_process` rows that no other process
-    holds: then each process supplies just its own rows. Computed from the sharding alone,
-    so every process reaches the same answer."""
-    rows = _rows_by_process(sharding, shape)
-    if len(rows) != jax.process_count() or any(len(r) != per_process for r in rows.values()):
-        return False
-    return len(frozenset().union(*rows.values())) == shape[0]
-
-
-def global_batch(local: dict[str, np.ndarray], mesh: Mesh, divisor: int, *, pad_id: int) -> dict[str, jax.Array]:
-    """This process's rows → global jax.Arrays with the train step's batch sharding.
-
-    Every process pads its block to the same size so that the global batch is a multiple of
-    `divisor` (data*fsdp*microbatches). Normally each process's devices hold exactly its
-    own block; on a mesh where the batch axes do not split across processes (e.g. only
-    tensor parallelism between hosts) every process needs every row, and the blocks are
-    all-gathered first.
-    """
-    sizes = {x.shape[0] for x in local.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"every batch array needs the same number of rows, got {sorted(sizes)}")
-    (rows,) = sizes
-    count = jax.process_count()
-    everyone = allgather_ints(rows)
-    if len(set(everyone)) != 1:
-        raise RuntimeError(f"processes hold different numbers of rows {everyone}: each must roll out an equal "
-                           "share of the step")
-    step = divisor // math.gcd(divisor, count)
-    per = -(-rows // step) * step
-    local = pad_rows(local, per - rows, pad_id)
-    out = {}
-    for key, x in local.items():
-        sharding = parallel.batch_sharding(mesh, x.ndim)
-        shape = (per * count,) + x.shape[1:]
-        if _blocks_are_disjoint(sharding, shape, per):
-            out[key] = jax.make_array_from_process_local_data(sharding, x, shape)
-        else:
-            full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-            out[key] = jax.make_array_from_callback(shape, sharding, lambda index, full=full: full[index])
-    return out
-
-
-def same_on_every_process(batch: dict[str, np.ndarray], mesh: Mesh):
-    """A batch every process built identically (SFT) → global jax.Arrays with the batch
-    sharding; each process places only its own devices' rows. Unchanged with one process."""
-    if not multiprocess():
-        return batch
-    return {key: jax.make_array_from_callback(x.shape, parallel.batch_sharding(mesh, x.ndim),
-                                              lambda index, x=x: x[index])
-            for key, x in batch.items()}
 
 
 def gather_for_metrics(trajectories: Sequence[Trajectory]) -> list[Trajectory]:

@@ -1,18 +1,39 @@
-"""Host-side batches for the train steps, with one padding convention.
+"""The host's batches for the train steps: one path from a step's trajectories to the
+batch its update takes, and one padding convention.
+
+A GRPO step's batch (`grpo_update_batches`), in order:
+1. collate: this process's trajectories to [rows, length] arrays at a length bucket all
+   processes agree on, group ids counted from its first task's global index (`collate_share`);
+2. mask: rows whose user or setup failed, and with dynamic sampling the groups whose rollouts
+   all scored alike, keep their place but leave the update (`mask_failed`, `mask_uniform_groups`);
+3. advantages: each row's group advantage from its group's rewards (`with_advantages`, the one
+   place they are computed: before any split into mini-batches or microbatches, so a
+   group's statistics always come from the whole group);
+4. place: (mini-)batches padded to a multiple of the devices x microbatches, and with several
+   processes joined into global arrays with the step's batch sharding (`place`).
 
 Rows are padded with rows that contribute nothing: every token the pad id, an all-zero
-loss mask, and group id `PAD_GROUP`, which lies outside [0, num_groups) so the step gives
-such a row advantage 0 (`muajax.rl.advantages.group_advantages`). Columns are padded by
-`muajax.agent.trajectory.collate` (GRPO) and `sft_batch` (SFT) to a multiple of a length
-step, so that few shapes, hence few compilations, occur.
+loss mask, group id `PAD_GROUP` (outside every group) and advantage 0. Columns are padded
+by `collate` (GRPO) and `sft_batch` (SFT) to a multiple of a length step, so that few
+shapes, hence few compilations, occur. With several processes, process p holds tasks
+[p*k, (p+1)*k) of the step (`distributed.task_share`): whole groups, so its advantages are
+those of the global batch, and `jax.make_array_from_process_local_data` joins the blocks.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
 
 from muajax import parallel
+from muajax.agent.trajectory import Trajectory
+from muajax.models.tokenizer import PAD_ID
+from muajax.rl.advantages import group_advantages
+from muajax.runtime import distributed
 from muajax.settings.fields import ConfigError
 
 PAD_GROUP = -1
@@ -132,6 +153,119 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
     return batch
 
 
+def collate(trajectories: Sequence[Trajectory], *, pad_id: int = PAD_ID, length: int | None = None,
+            multiple: int = 1) -> dict[str, np.ndarray]:
+    """The GRPO batch: tokens int32 [B, T] (right-padded with `pad_id`), loss_mask int32
+    [B, T], old_logprobs float32 [B, T], rewards float32 [B], group_ids int32 [B].
+
+    T is `length` if given, else the longest trajectory rounded up to `multiple` (fewer
+    distinct shapes, fewer compilations). Group ids are renumbered densely 0..G-1 by
+    (task_id, group_id), so batches from several rollout calls can be joined.
+    """
+    if not trajectories:
+        raise ValueError("collate needs at least one trajectory")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    longest = max(len(t.tokens) for t in trajectories)
+    if length is None:
+        length = max(1, -(-longest // multiple) * multiple)
+    elif length < longest:
+        raise ValueError(f"length={length} is shorter than the longest trajectory ({longest} tokens)")
+    b = len(trajectories)
+    tokens = np.full((b, length), pad_id, np.int32)
+    mask = np.zeros((b, length), np.int32)
+    logprobs = np.zeros((b, length), np.float32)
+    rewards = np.zeros((b,), np.float32)
+    group_ids = np.zeros((b,), np.int32)
+    groups: dict[tuple[str, int], int] = {}
+    for i, t in enumerate(trajectories):
+        n = len(t.tokens)
+        if len(t.loss_mask) != n or len(t.logprobs) != n:
+            raise ValueError(f"trajectory {i} ({t.task_id}/{t.rollout_index}): tokens, loss_mask and logprobs "
+                             "have different lengths")
+        tokens[i, :n] = t.tokens
+        mask[i, :n] = t.loss_mask
+        logprobs[i, :n] = t.logprobs
+        rewards[i] = t.reward
+        group_ids[i] = groups.setdefault((t.task_id, t.group_id), len(groups))
+    return {"tokens": tokens, "loss_mask": mask, "old_logprobs": logprobs, "rewards": rewards,
+            "group_ids": group_ids}
+
+
+def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, length_of: Callable[[int], int],
+                  first_group: int) -> dict:
+    """`collate` of this process's trajectories, at the length every process agrees on (the
+    largest `length_of(longest)`; a non-decreasing `length_of`, such as a bucket), with group
+    ids counted from `first_group` (its first task's global index)."""
+    length = length_of(max(len(t.tokens) for t in trajectories))
+    if not distributed.multiprocess():
+        return collate(trajectories, pad_id=pad_id, length=length)
+    length = max(distributed.allgather_ints(length))
+    batch = collate(trajectories, pad_id=pad_id, length=length)
+    batch["group_ids"] = batch["group_ids"] + np.int32(first_group)
+    return batch
+
+
+def _rows_by_process(sharding: NamedSharding, shape: tuple[int, ...]) -> dict[int, frozenset[int]]:
+    rows: dict[int, set[int]] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        rows.setdefault(device.process_index, set()).update(range(*index[0].indices(shape[0])))
+    return {p: frozenset(r) for p, r in rows.items()}
+
+
+def _blocks_are_disjoint(sharding: NamedSharding, shape: tuple[int, ...], per_process: int) -> bool:
+    """True when each process's devices hold exactly `per_process` rows that no other process
+    holds: then each process supplies just its own rows. Computed from the sharding alone,
+    so every process reaches the same answer."""
+    rows = _rows_by_process(sharding, shape)
+    if len(rows) != jax.process_count() or any(len(r) != per_process for r in rows.values()):
+        return False
+    return len(frozenset().union(*rows.values())) == shape[0]
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh, divisor: int, *, pad_id: int) -> dict[str, jax.Array]:
+    """This process's rows → global jax.Arrays with the train step's batch sharding.
+
+    Every process pads its block to the same size so that the global batch is a multiple of
+    `divisor` (data*fsdp*microbatches). Normally each process's devices hold exactly its
+    own block; on a mesh where the batch axes do not split across processes (e.g. only
+    tensor parallelism between hosts) every process needs every row, and the blocks are
+    all-gathered first.
+    """
+    sizes = {x.shape[0] for x in local.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"every batch array needs the same number of rows, got {sorted(sizes)}")
+    (rows,) = sizes
+    count = jax.process_count()
+    everyone = distributed.allgather_ints(rows)
+    if len(set(everyone)) != 1:
+        raise RuntimeError(f"processes hold different numbers of rows {everyone}: each must roll out an equal "
+                           "share of the step")
+    step = divisor // math.gcd(divisor, count)
+    per = -(-rows // step) * step
+    local = pad_rows(local, per - rows, pad_id)
+    out = {}
+    for key, x in local.items():
+        sharding = parallel.batch_sharding(mesh, x.ndim)
+        shape = (per * count,) + x.shape[1:]
+        if _blocks_are_disjoint(sharding, shape, per):
+            out[key] = jax.make_array_from_process_local_data(sharding, x, shape)
+        else:
+            full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            out[key] = jax.make_array_from_callback(shape, sharding, lambda index, full=full: full[index])
+    return out
+
+
+def same_on_every_process(batch: dict[str, np.ndarray], mesh: Mesh):
+    """A batch every process built identically (SFT) → global jax.Arrays with the batch
+    sharding; each process places only its own devices' rows. Unchanged with one process."""
+    if not distributed.multiprocess():
+        return batch
+    return {key: jax.make_array_from_callback(x.shape, parallel.batch_sharding(mesh, x.ndim),
+                                              lambda index, x=x: x[index])
+            for key, x in batch.items()}
+
+
 def mask_uniform_groups(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """DAPO's dynamic sampling: groups whose rollouts all scored alike carry no signal; their
     rows keep their place but lose their loss mask."""
@@ -168,3 +302,44 @@ def minibatches(batch: dict[str, np.ndarray], size: int | None) -> list[dict[str
     if rows % size:
         raise ValueError(f"mini-batches of {size} rows do not divide the batch of {rows}")
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def with_advantages(batch: dict[str, np.ndarray], grpo) -> dict[str, np.ndarray]:
+    """The batch with each row's group advantage in place of its reward and group id
+    (`grpo.advantage_scale`, `grpo.advantage_eps`); rows in no group get 0."""
+    out = {k: v for k, v in batch.items() if k not in ("rewards", "group_ids")}
+    groups = int(max(batch["group_ids"].max(), 0)) + 1
+    out["advantages"] = np.asarray(group_advantages(batch["rewards"], batch["group_ids"], groups,
+                                                    scale=grpo.advantage_scale, eps=grpo.advantage_eps))
+    return out
+
+
+def place(batch: dict[str, np.ndarray], mesh: Mesh, divisor: int, pad_id: int) -> dict:
+    """Host rows -> the step's batch: padded to a multiple of `divisor` (one process), or
+    joined with the other processes' rows into global arrays."""
+    if distributed.multiprocess():
+        return global_batch(batch, mesh, divisor, pad_id=pad_id)
+    return pad_to_multiple(batch, divisor, pad_id)
+
+
+def place_shared(batch: dict[str, np.ndarray], mesh: Mesh, divisor: int, pad_id: int) -> dict:
+    """A batch every process built identically (SFT, the warm-ups) -> the step's batch:
+    padded to a multiple of `divisor`; with several processes each places its own rows."""
+    return same_on_every_process(pad_to_multiple(batch, divisor, pad_id), mesh)
+
+
+def grpo_update_batches(trajectories: Sequence[Trajectory], grpo, *, mesh: Mesh, pad_id: int,
+                        buckets: Sequence[int], first_group: int, divisor: int,
+                        shared_prefix: int = 0) -> list[dict]:
+    """A step's trajectories -> the placed batch of each of its updates (one, or one per
+    mini-batch of `grpo.minibatch_size` rows): collate, mask, advantages, place."""
+    batch = collate_share(trajectories, pad_id=pad_id, first_group=first_group,
+                          length_of=lambda longest: bucket_length(longest, buckets))
+    batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
+    if common_prefix(batch["tokens"]) < shared_prefix:
+        raise RuntimeError(f"rollouts no longer share the {shared_prefix}-token system prompt")
+    if grpo.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
+        batch = mask_uniform_groups(batch)
+    batch = with_advantages(batch, grpo)
+    local_size = None if grpo.minibatch_size is None else grpo.minibatch_size // jax.process_count()
+    return [place(part, mesh, divisor, pad_id) for part in minibatches(batch, local_size)]

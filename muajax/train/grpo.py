@@ -3,9 +3,10 @@ simulated user in the loop, collates the trajectories and runs the sharded updat
 
 One RL step: the next `tasks_per_step` tasks of the (per-epoch shuffled) task stream ->
 `n_per_task` rollouts each through the engine (which reads the live params) ->
-trajectories collated to a fixed-shape batch -> the GRPO update (advantages, clipped loss,
-KL to the stage's starting policy, AdamW; several mini-batch updates with
-`grpo.minibatch_size`) -> metrics and checkpoint. Everything a resumed run needs (params,
+the host batch (`muajax.runtime.host_batch.grpo_update_batches`: collated, failed rows
+masked, group advantages, placed) -> the GRPO update (clipped loss, KL to the stage's
+starting policy, AdamW; several mini-batch updates with `grpo.minibatch_size`) -> metrics
+and checkpoint. Everything a resumed run needs (params,
 optimizer state, step, the task-stream position) is in the checkpoint, and every random
 choice is a function of (seed, step), so a run killed with -9 and resumed goes on exactly
 as if uninterrupted.
@@ -23,12 +24,10 @@ from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.settings.fields import config_to_dict
 from muajax.models.flops import forward_flops, train_step_flops
-from muajax.rl.advantages import group_advantages
 from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
 from muajax.runtime import distributed
-from muajax.runtime.host_batch import (batch_divisor, bucket_length, common_prefix, length_buckets, mask_failed,
-                                   mask_uniform_groups, microbatch_count, minibatches, pad_to_multiple)
+from muajax.runtime.host_batch import batch_divisor, common_prefix, grpo_update_batches, length_buckets, microbatch_count
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
@@ -97,45 +96,21 @@ def shared_system_prefix(ctx: RunContext, tasks) -> int:
     return len(rows[0]) if len(rows) == 1 else common_prefix(rows)
 
 
-def with_advantages(batch: dict, grpo) -> dict:
-    """The batch with each row's group advantage in place of its reward and group id, for
-    mini-batch updates: a group's statistics come from the whole group, never from the part
-    of it one mini-batch holds. (Each process holds whole groups, so its rows suffice.)"""
-    out = {k: v for k, v in batch.items() if k not in ("rewards", "group_ids")}
-    groups = int(max(batch["group_ids"].max(), 0)) + 1
-    out["advantages"] = np.asarray(group_advantages(batch["rewards"], batch["group_ids"], groups,
-                                                    scale=grpo.advantage_scale, eps=grpo.advantage_eps))
-    return out
-
-
-def _place(ctx: RunContext, batch: dict, divisor: int) -> dict:
-    """Host rows -> the step's batch: padded (one process) or joined into global arrays."""
-    if distributed.multiprocess():  # the processes' blocks become one global batch
-        return distributed.global_batch(batch, ctx.mesh, divisor, pad_id=ctx.pad_id)
-    return pad_to_multiple(batch, divisor, ctx.pad_id)
-
-
 # Of the first update only: the policy has not moved yet, so its ratios to the rollout's
 # logprobs show how far the trainer's numbers are from the engine's (the on-policy mismatch).
 FIRST_PASS_KEYS = ("clip_frac", "ratio_abs_dev")
 
 
-def _update(ctx: RunContext, step_fn, state, batch: dict, reference, divisor: int, old_logprobs_fn=None):
-    """The step's optimizer update(s); returns the state, the mean of their metrics (with
-    `updates`, their number, and `first_pass/...`, the first update's FIRST_PASS_KEYS), and
-    the [rows, length] of each (mini-)batch as stepped, padding included.
-    `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs) replaces every
-    mini-batch's old logprobs before the first update."""
-    g = ctx.cfg.grpo
-    if g.minibatch_size is None:  # the paper's: one update on the whole batch (ppo_epochs is 1)
-        parts = [_place(ctx, batch, divisor)]
-    else:
-        local_size = g.minibatch_size // jax.process_count()
-        parts = [_place(ctx, part, divisor) for part in minibatches(with_advantages(batch, g), local_size)]
-        if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
-            parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
+def _update(step_fn, state, parts: list[dict], reference, grpo, old_logprobs_fn=None):
+    """The step's optimizer update(s) over its placed (mini-)batches; returns the state, the
+    mean of their metrics (with `updates`, their number, and `first_pass/...`, the first
+    update's FIRST_PASS_KEYS), and the [rows, length] of each (mini-)batch as stepped,
+    padding included. `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs)
+    replaces every mini-batch's old logprobs before the first update."""
+    if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
+        parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
     records = []
-    for _ in range(g.ppo_epochs):
+    for _ in range(grpo.ppo_epochs):
         for placed in parts:
             state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
             records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
@@ -176,7 +151,7 @@ def run_grpo(ctx: RunContext, params):
     prefix = shared_system_prefix(ctx, tasks)
     optimizer = optimizer_from_config(g, total_steps=steps * g.updates_per_step(batch_size))
     step_fn = make_grpo_step(ctx.model_cfg, optimizer, ctx.mesh, grpo=g, temperature=max(r.temperature, 1e-6),
-                             num_groups=r.tasks_per_step, shared_prefix=prefix, microbatches=micro)
+                             shared_prefix=prefix, microbatches=micro)
     old_logprobs_fn = None
     if g.recompute_old_logprobs and g.minibatch_size is not None:  # one update per step: the loss does it
         old_logprobs_fn = make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g, temperature=max(r.temperature, 1e-6),
@@ -208,16 +183,11 @@ def run_grpo(ctx: RunContext, params):
         ctx.engine_idle()  # the update gets the memory of the engine's params copy (and pool)
         everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
         stop_on_failures(ctx, ckpt, index, state, everyone, position)
-        batch = distributed.collate_share(trajectories, pad_id=ctx.pad_id, first_group=first,
-                                          length_of=lambda longest: bucket_length(longest, buckets))
-        batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
-        if common_prefix(batch["tokens"]) < prefix:
-            raise RuntimeError(f"rollouts no longer share the {prefix}-token system prompt")
-        if g.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
-            batch = mask_uniform_groups(batch)
+        parts = grpo_update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, buckets=buckets,
+                                    first_group=first, divisor=divisor, shared_prefix=prefix)
         t1 = time.time()
         (state, metrics, shapes), compute_s = call_without_compile(
-            lambda: _update(ctx, step_fn, state, batch, reference, divisor, old_logprobs_fn))
+            lambda: _update(step_fn, state, parts, reference, g, old_logprobs_fn))
         t_update = time.time() - t1
         flops = update_flops(ctx, shapes, shared_prefix=prefix, microbatches=micro,
                              recomputed=old_logprobs_fn is not None)

@@ -25,8 +25,8 @@ from muajax.models.hf import save_hf
 from muajax.models.vocab import DOMAIN_VOCAB_FILE
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import copy_warmup_batch, make_sft_step
-from muajax.runtime import build, distributed
-from muajax.runtime.host_batch import LENGTH_MULTIPLE, batch_divisor, common_prefix, pad_to_multiple, sft_batch
+from muajax.runtime import build
+from muajax.runtime.host_batch import LENGTH_MULTIPLE, batch_divisor, common_prefix, place_shared, sft_batch
 from muajax.train.context import RunContext, build_context
 from muajax.train.loop import CallbackHook, ProgressHook, run_steps
 
@@ -110,8 +110,7 @@ def warmup_steps(ctx: RunContext, params, steps: int, make_batch, *, on_step=Non
     log_every = max(1, steps // 10)
 
     def step(state, index):
-        batch = pad_to_multiple(make_batch(), divisor, ctx.pad_id)
-        state, metrics = step_fn(state, distributed.same_on_every_process(batch, ctx.mesh))
+        state, metrics = step_fn(state, place_shared(make_batch(), ctx.mesh, divisor, ctx.pad_id))
         nlls.append(float(jax.device_get(metrics["nll"])))
         return state, {"nll": nlls[-1]}
 

@@ -21,11 +21,11 @@ from muajax.models.flops import train_step_flops
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.runtime import distributed
-from muajax.runtime.host_batch import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, pad_to_multiple,
-                                   padded_length, sft_batch)
+from muajax.runtime.host_batch import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, padded_length,
+                                   place_shared, sft_batch)
+from muajax.runtime.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
-from muajax.runtime.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.step_metrics import call_without_compile, perf_record
 from muajax.train.pretraining import copy_warmup, domain_warmup
 
@@ -127,9 +127,8 @@ def run_sft(ctx: RunContext, params):
                                  context_start=prefix)
         else:
             batch = sft_batch(chosen, ctx.pad_id, plan.length, context_weight=s.context_weight, context_start=prefix)
-        batch = pad_to_multiple(batch, divisor, ctx.pad_id)
         # multi-host: every process built this same batch; each places its own devices' rows
-        placed = distributed.same_on_every_process(batch, ctx.mesh)
+        placed = place_shared(batch, ctx.mesh, divisor, ctx.pad_id)
 
         def update():  # waits for the step: its metrics come to the host
             new_state, metrics = step_fn(state, placed)

@@ -39,9 +39,9 @@ from muajax.agent.trajectory import (
     MALFORMED_CALL,
     MAX_TURNS,
     USER_STOP,
-    collate,
     rollout_metrics,
 )
+from muajax.runtime.host_batch import collate
 from muajax.domains.builtin.user import ScriptedUser
 
 MAX_LEN = 2048

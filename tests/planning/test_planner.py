@@ -26,7 +26,7 @@ TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
                    head_dim=128, max_position_embeddings=512, param_dtype="float32", dtype="bfloat16", remat="full")
 MESHES = {"data4": {"data": 4, "fsdp": 1, "tensor": 1}, "fsdp4": {"data": 1, "fsdp": 4, "tensor": 1},
           "fsdp2_tensor2": {"data": 1, "fsdp": 2, "tensor": 2}}
-SETTINGS = PlanSettings(batch=8, num_groups=2, seq=128, grpo=GRPOConfig(microbatch_size=4),
+SETTINGS = PlanSettings(batch=8, seq=128, grpo=GRPOConfig(microbatch_size=4),
                         engine=EngineSettings(num_slots=8, max_len=128, widths=(32,)))
 
 

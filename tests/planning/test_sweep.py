@@ -39,7 +39,7 @@ def devices():
 
 @NEEDS_LIBTPU
 def test_lower_bound_terms(devices):
-    settings = PlanSettings(batch=8, num_groups=2, seq=64, grpo=GRPOConfig(microbatch_size=4))
+    settings = PlanSettings(batch=8, seq=64, grpo=GRPOConfig(microbatch_size=4))
     # the einsum attention ("xla") holds a layer's [T, T] scores; splash and chunked do not
     bound = lower_bound(TINY.replace(attention="xla"), {"data": 1, "fsdp": 4, "tensor": 1}, devices, settings)
     params = TINY.num_params() * 4
@@ -63,7 +63,7 @@ def test_sweep_ranks_prunes_and_writes(devices, tmp_path):
                         head_dim=64)
     meshes = [{"data": 4, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 4, "tensor": 1},
               {"data": 1, "fsdp": 2, "tensor": 2}]
-    out = run_sweep(wide, "wide", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64), remats=("full",),
+    out = run_sweep(wide, "wide", devices=devices, settings=PlanSettings(batch=8, seq=64), remats=("full",),
                     topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=110 * 10**6, out_dir=str(tmp_path),
                     meshes=meshes)
     rows, summary = out["rows"], out["summary"]
@@ -96,7 +96,7 @@ def test_a_stopped_sweep_resumes_where_it_was(devices, tmp_path, monkeypatch):
         calls.append(args[2])
         return real(*args)
 
-    run = lambda: run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64),
+    run = lambda: run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, seq=64),
                             remats=("full",), topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=None,
                             out_dir=str(tmp_path), meshes=meshes)
     monkeypatch.setattr(sweep, "_evaluate", dies_after_two)
@@ -112,7 +112,7 @@ def test_a_stopped_sweep_resumes_where_it_was(devices, tmp_path, monkeypatch):
     assert resumed == [meshes[2]] and out["summary"]["configs"] == 3
     assert not journal.exists() and (tmp_path / "sweep.json").exists()
     fresh = tmp_path / "fresh"
-    again = run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64),
+    again = run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, seq=64),
                       remats=("full",), topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=None,
                       out_dir=str(fresh), meshes=meshes)
     strip = lambda rows: [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
@@ -126,7 +126,7 @@ def test_other_remats_are_tried_on_the_fastest_meshes_only(devices, tmp_path, mo
     meshes = [{"data": 1, "fsdp": 4, "tensor": 1}, {"data": 1, "fsdp": 2, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 1}]
     real, calls = sweep._evaluate, []
     monkeypatch.setattr(sweep, "_evaluate", lambda *args: calls.append((args[2], args[0].remat)) or real(*args))
-    run = lambda refine, out: run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, num_groups=2, seq=64),
+    run = lambda refine, out: run_sweep(TINY, "tiny", devices=devices, settings=PlanSettings(batch=8, seq=64),
                                         remats=("full", "dots"), topology="v5p:2x2x1", chip=get_chip("v5p"),
                                         hbm_bytes=None, out_dir=str(tmp_path / out), meshes=meshes, refine=refine)
     out = run(1, "one")

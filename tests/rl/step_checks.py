@@ -52,8 +52,9 @@ def make_batch(seed=0):
     mask[:, :3] = 0  # a prompt
     return dict(tokens=rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32), loss_mask=mask,
                 old_logprobs=(-rng.random((B, T)) * 6).astype(np.float32),
-                rewards=rng.integers(0, 2, B).astype(np.float32),
-                group_ids=np.repeat(np.arange(B // 4), 4).astype(np.int32))
+                # each row's group advantage, as the host batch gives it (runtime.host_batch.with_advantages)
+                advantages=np.asarray(group_advantages(rng.integers(0, 2, B).astype(np.float32),
+                                                       np.repeat(np.arange(B // 4), 4).astype(np.int32), B)))
 
 
 def host(tree):
@@ -104,7 +105,7 @@ def manual_loss(params, ref, batch):
     targets = tokens[:, 1:]
     logp = token_logprobs(forward(params, CFG, tokens)[0][:, :-1], targets)
     ref_logp = token_logprobs(forward(ref, CFG, tokens)[0][:, :-1], targets)
-    adv = group_advantages(batch["rewards"], batch["group_ids"], B)
+    adv = batch["advantages"]
     with_kl = policy_loss(logp, batch["old_logprobs"][:, 1:], ref_logp, adv, batch["loss_mask"][:, 1:],
                           kl_coef=0.05)
     without = policy_loss(logp, batch["old_logprobs"][:, 1:], None, adv, batch["loss_mask"][:, 1:], kl_coef=0.0)

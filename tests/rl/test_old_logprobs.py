@@ -30,13 +30,13 @@ def setup():
     batch = dict(tokens=rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32), loss_mask=mask,
                  # a rollout policy far from the trainer's: every ratio would be clipped
                  old_logprobs=np.where(mask > 0, -9.0, 0.0).astype(np.float32),
-                 rewards=np.array([1, 0, 1, 0], np.float32), group_ids=np.array([0, 0, 1, 1], np.int32))
+                 advantages=np.array([0.7071, -0.7071, 0.7071, -0.7071], np.float32))
     return mesh, params, batch
 
 
 def first_pass(mesh, params, batch, **options):
     grpo = GRPOConfig(kl_coef=0.0, **options)
-    step = make_grpo_step(CFG, make_optimizer(1e-3), mesh, grpo=grpo, num_groups=2)
+    step = make_grpo_step(CFG, make_optimizer(1e-3), mesh, grpo=grpo)
     _, metrics = step(step.init_state(params), batch)
     return {k: float(v) for k, v in metrics.items()}
 

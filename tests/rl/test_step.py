@@ -96,7 +96,7 @@ def tiny_batch(b=8, t=12):
     rng = np.random.default_rng(0)
     return dict(tokens=rng.integers(0, CFG.vocab_size, (b, t)).astype(np.int32),
                 loss_mask=np.ones((b, t), np.int32), old_logprobs=np.zeros((b, t), np.float32),
-                rewards=np.arange(b, dtype=np.float32) % 2, group_ids=np.arange(b, dtype=np.int32) // 4)
+                advantages=np.where(np.arange(b) % 2, 0.5, -0.5).astype(np.float32))
 
 
 def count_dots(step, params, *frozen):
@@ -129,7 +129,7 @@ def test_bad_batches_fail_before_compiling():
     with pytest.raises(ValueError, match="4 microbatches"):
         step(None, tiny_batch(b=6))
     ragged = tiny_batch()
-    ragged["rewards"] = ragged["rewards"][:4]
+    ragged["advantages"] = ragged["advantages"][:4]
     with pytest.raises(ValueError, match="same leading"):
         step(None, ragged)
     with pytest.raises(ValueError, match="microbatches must be"):

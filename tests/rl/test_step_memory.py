@@ -18,12 +18,11 @@ CFG = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_la
 def step_temporaries(attention: str, length: int) -> int:
     cfg = CFG.replace(attention=attention)
     mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    step = make_grpo_step(cfg, make_optimizer(1e-6), mesh, grpo=GRPOConfig(logits_chunk=512), num_groups=1)
+    step = make_grpo_step(cfg, make_optimizer(1e-6), mesh, grpo=GRPOConfig(logits_chunk=512))
     params = model_abstract_params(cfg)
     rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=parallel.batch_sharding(mesh, len(shape)))
     batch = {"tokens": rows((1, length), jnp.int32), "loss_mask": rows((1, length), jnp.int32),
-             "old_logprobs": rows((1, length), jnp.float32), "rewards": rows((1,), jnp.float32),
-             "group_ids": rows((1,), jnp.int32)}
+             "old_logprobs": rows((1, length), jnp.float32), "advantages": rows((1,), jnp.float32)}
     reference = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), params,
                              step.frozen_shardings)
     compiled = step.lower(step.abstract_state(params), batch, reference).compile()

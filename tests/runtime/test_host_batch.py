@@ -1,4 +1,5 @@
-"""Host-side batches: the SFT loss mask, the context weights, row padding and mini-batches."""
+"""Host-side batches: the SFT loss mask, the context weights, row padding, mini-batches, and
+the one GRPO path from trajectories to the placed update batches."""
 import numpy as np
 import pytest
 
@@ -101,3 +102,50 @@ def test_microbatches_are_whole_rows_on_every_device():
         microbatch_count(256, 8, mesh, "grpo.microbatch_size")
     with pytest.raises(ConfigError, match=r"must divide the 256 rows"):
         microbatch_count(256, 96, mesh, "grpo.microbatch_size")
+
+
+def _trajectory(task: str, index: int, reward: float, *, failed: bool = False, length: int = 6):
+    from muajax.agent.trajectory import USER_ERROR, USER_STOP, Trajectory
+
+    tokens = [3, 4, 5] + [7 + index] * (length - 3)  # a shared 3-token prompt, then the rollout's own
+    mask = [0, 0, 0] + [1] * (length - 3)
+    return Trajectory(task, 0, index, 0, tokens, mask, [-0.25 * m for m in mask], 3, [],
+                      USER_ERROR if failed else USER_STOP, reward=reward)
+
+
+@pytest.mark.parametrize("minibatch_size", [None, 4])
+def test_grpo_update_batches_collate_mask_take_whole_group_advantages_and_place(minibatch_size):
+    """One path, in one module: collate -> mask failed rows -> advantages over whole groups
+    -> mini-batches -> placed (padded to the divisor). Each mini-batch's advantages are the
+    whole group's, never the part of it one mini-batch holds."""
+    import jax
+    from muajax import parallel
+    from muajax.rl.advantages import group_advantages
+    from muajax.rl.grpo import GRPOConfig
+    from muajax.runtime.host_batch import collate, grpo_update_batches, mask_failed
+
+    # each group's rows straddle the two mini-batches of 4
+    spec = [("a", 1.0, False), ("a", 0.0, False), ("b", 1.0, False), ("b", 1.0, False),
+            ("a", 0.0, False), ("a", 1.0, True), ("b", 0.0, False), ("b", 0.0, False)]
+    trajs = [_trajectory(task, i, reward, failed=failed, length=5 + i % 3) for i, (task, reward, failed) in enumerate(spec)]
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    grpo = GRPOConfig(minibatch_size=minibatch_size)
+    parts = grpo_update_batches(trajs, grpo, mesh=mesh, pad_id=PAD_ID, buckets=(8, 16), first_group=0,
+                                divisor=3, shared_prefix=3)
+    assert len(parts) == (1 if minibatch_size is None else 2)
+    for part in parts:
+        assert set(part) == {"tokens", "loss_mask", "old_logprobs", "advantages"}
+        assert part["tokens"].shape[0] % 3 == 0 and part["tokens"].shape[1] == 8  # placed: padded rows, bucketed length
+    rows = (len(trajs) if minibatch_size is None else minibatch_size)
+    got = np.concatenate([p["advantages"][:rows] for p in parts])
+    failed = np.array([f for _, _, f in spec])
+    whole = mask_failed(collate(trajs, length=8), failed)
+    want = np.asarray(group_advantages(whole["rewards"], whole["group_ids"], 2))
+    np.testing.assert_array_equal(got, want)
+    assert got[5] == 0 and (np.concatenate([p["loss_mask"][:rows] for p in parts])[5] == 0).all()
+    assert all((p["advantages"][rows:] == 0).all() and (p["loss_mask"][rows:] == 0).all() for p in parts)
+    halves = [np.asarray(group_advantages(whole["rewards"][i:i + 4], whole["group_ids"][i:i + 4], 2)) for i in (0, 4)]
+    assert not np.allclose(got, np.concatenate(halves))  # what each mini-batch alone would give
+    with pytest.raises(RuntimeError, match="4-token system prompt"):
+        grpo_update_batches(trajs, grpo, mesh=mesh, pad_id=PAD_ID, buckets=(8,), first_group=0, divisor=1,
+                            shared_prefix=4)

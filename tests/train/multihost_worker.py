@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from muajax import parallel  # noqa: E402
 
-from muajax.runtime import distributed
+from muajax.runtime import distributed, host_batch  # noqa: E402
 from muajax.runtime.checkpoint import Checkpointer  # noqa: E402
 from muajax.engine.engine import Engine, SamplingParams  # noqa: E402
 from muajax.models.qwen3 import Qwen3Config  # noqa: E402
@@ -75,12 +75,12 @@ def local_rows(p: int, rows: int) -> dict:
 
 def check_batch(mesh, divisor: int, rows: int) -> dict:
     p = jax.process_index()
-    batch = distributed.global_batch(local_rows(p, rows), mesh, divisor, pad_id=0)
+    batch = host_batch.global_batch(local_rows(p, rows), mesh, divisor, pad_id=0)
     fetch = jax.jit(lambda b: b, out_shardings=parallel.replicated(mesh))
     full = {k: np.asarray(v) for k, v in fetch(batch).items()}
     # the SFT route: a batch every process built identically
     shared = np.arange(16, dtype=np.int32).reshape(8, 2)
-    placed = distributed.same_on_every_process({"tokens": shared}, mesh)["tokens"]
+    placed = host_batch.same_on_every_process({"tokens": shared}, mesh)["tokens"]
     return {"shape": list(full["tokens"].shape), "first_column": full["tokens"][:, 0].tolist(),
             "group_ids": full["group_ids"].tolist(), "mask_rows": full["loss_mask"].sum(1).tolist(),
             "sharding_ok": all(v.sharding.spec == parallel.batch_sharding(mesh, v.ndim).spec for v in batch.values()),

@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 
-from muajax.agent.trajectory import USER_ERROR, USER_STOP, Trajectory, collate, rollout_metrics
+from muajax.agent.trajectory import USER_ERROR, USER_STOP, Trajectory, rollout_metrics
 from muajax.domains.base import UserSession, UserSimulator, UserTurn
 from muajax.rl.advantages import group_advantages
-from muajax.runtime.host_batch import PAD_GROUP, mask_failed
+from muajax.runtime.host_batch import PAD_GROUP, collate, mask_failed
 from tests.train.test_grpo import one_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
