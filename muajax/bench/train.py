@@ -64,16 +64,42 @@ def run(argv) -> dict:
     import torch
 
     from muajax import parallel
-    from muajax.models.attention import resolve
-    from muajax.models.flops import train_step_flops
-    from muajax.models.hf import load_params
-    from muajax.rl.optim import make_optimizer
-    from muajax.rl.sft import make_sft_step
-    from muajax.train.step_metrics import measure_matmul_peak, timed
 
     torch.set_num_threads(args.threads)
     cpu = jax.devices("cpu")[0]
     model = build_hf(args)
+    cfg, attention_used, mesh, steps = _muajax_steps(args, model, cpu)
+    rng = np.random.RandomState(args.seed)
+    tokens_np = rng.randint(0, args.vocab, (args.batch, args.seq)).astype(np.int64)
+    batch = jax.device_put({"tokens": tokens_np.astype(np.int32),
+                            "loss_mask": np.ones(tokens_np.shape, np.int32)}, parallel.batch_sharding(mesh, 2))
+    torch_step = _torch_step(model, torch.from_numpy(tokens_np))
+
+    log(f"train: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
+        f"mlp {args.intermediate}, vocab {args.vocab}; batch {args.batch} x {args.seq} tokens, float32, "
+        f"remat {args.remat}, torch threads {torch.get_num_threads()}, attention {args.attn} (torch), "
+        f"{attention_used} (muajax)")
+    fns = {"muajax": _muajax_step(steps[attention_used], batch), "torch": torch_step,
+           **{f"muajax {n}": _muajax_step(steps[n], batch) for n in steps if n != attention_used}}
+    first, walls, cpus, peaks = _timed_rounds(args, fns, cpu)
+    also = [name for name in steps if name != attention_used]
+    result = _result(args, cfg, attention_used, also, first, walls, cpus, peaks)
+    _report(result, first)
+    return result
+
+
+def _muajax_steps(args, model, cpu):
+    """muajax's train step from `model`'s weights: (cfg, the attention it resolves to, mesh,
+    {attention: [step, state]}), the first entry that attention and the rest one per other
+    implementation of --also-attention, each from the same weights."""
+    import jax
+
+    from muajax import parallel
+    from muajax.models.attention import resolve
+    from muajax.models.hf import load_params
+    from muajax.rl.optim import make_optimizer
+    from muajax.rl.sft import make_sft_step
+
     with tempfile.TemporaryDirectory(prefix="muajax-bench-") as tmp:
         model.save_pretrained(tmp)
         with jax.default_device(cpu):
@@ -86,50 +112,49 @@ def run(argv) -> dict:
     # The entropy metric is off: torch's step computes none, so both do the same work.
     step = make_sft_step(cfg, make_optimizer(LR, weight_decay=WEIGHT_DECAY, grad_clip=CLIP), mesh,
                          with_entropy=False)
-    state = step.init_state(params)
-    also = {}  # implementation -> [step, state]: the same weights through another attention
+    steps = {attention_used: [step, step.init_state(params)]}
     for impl in filter(None, (a.strip() for a in args.also_attention.split(","))):
         name = resolve(impl, num_keys=args.seq, dtype=cfg.compute_dtype, platform="cpu", cache_form=False)
-        if name != attention_used and name not in also:
+        if name not in steps:  # the same weights through another attention
             other = make_sft_step(cfg.replace(attention=name), make_optimizer(LR, weight_decay=WEIGHT_DECAY,
                                                                               grad_clip=CLIP), mesh,
                                   with_entropy=False)
-            also[name] = [other, other.init_state(params)]
-    del params
-    rng = np.random.RandomState(args.seed)
-    tokens_np = rng.randint(0, args.vocab, (args.batch, args.seq)).astype(np.int64)
-    batch = jax.device_put({"tokens": tokens_np.astype(np.int32),
-                            "loss_mask": np.ones(tokens_np.shape, np.int32)}, parallel.batch_sharding(mesh, 2))
-    tokens_pt = torch.from_numpy(tokens_np)
+            steps[name] = [other, other.init_state(params)]
+    return cfg, attention_used, mesh, steps
+
+
+def _muajax_step(entry: list, batch):
+    """One call of `entry`'s step on `batch`, its state updated in place; returns the loss."""
+    def step():
+        step_fn, state = entry
+        entry[1], metrics = step_fn(state, batch)
+        return metrics["loss"]
+    return step
+
+
+def _torch_step(model, tokens_pt):
+    """One transformers train step (loss, backward, clip, AdamW) on `tokens_pt`; returns the loss."""
+    import torch
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WEIGHT_DECAY)
 
-    def muajax_step():
-        nonlocal state
-        state, metrics = step(state, batch)
-        return metrics["loss"]
-
-    def other_step(name):
-        def run():
-            step_fn, st = also[name]
-            also[name][1], metrics = step_fn(st, batch)
-            return metrics["loss"]
-        return run
-
-    def torch_step():
+    def step():
         optimizer.zero_grad(set_to_none=True)
         loss = model(tokens_pt, labels=tokens_pt).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         return loss.detach()
+    return step
 
-    log(f"train: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
-        f"mlp {args.intermediate}, vocab {args.vocab}; batch {args.batch} x {args.seq} tokens, float32, "
-        f"remat {args.remat}, torch threads {torch.get_num_threads()}, attention {args.attn} (torch), "
-        f"{attention_used} (muajax)")
+
+def _timed_rounds(args, fns: dict, cpu):
+    """First-step losses, then per candidate wall and CPU seconds of `args.repeat` alternating
+    rounds, and the matmul peaks measured before and after them."""
+    from muajax.train.step_metrics import measure_matmul_peak, timed
+
     # The first call of each is its first step from the shared initial weights (and the
     # warm-up: compilation, allocator).
-    fns = {"muajax": muajax_step, "torch": torch_step, **{f"muajax {n}": other_step(n) for n in also}}
     first = {name: float(fn()) for name, fn in fns.items()}
     for _ in range(args.warmup - 1):
         for fn in fns.values():
@@ -142,12 +167,18 @@ def run(argv) -> dict:
             walls[name].append(w)
             cpus[name].append(c)
     peaks.append(measure_matmul_peak(args.peak_size, device=cpu))  # before and after: the best of both
-    peak, peak_per_cpu_s = max(p.per_second for p in peaks), max(p.per_cpu_second for p in peaks)
+    return first, walls, cpus, peaks
 
+
+def _result(args, cfg, attention_used: str, also: list, first: dict, walls: dict, cpus: dict, peaks: list) -> dict:
+    """The benchmark's JSON."""
+    from muajax.models.flops import train_step_flops
+
+    peak, peak_per_cpu_s = max(p.per_second for p in peaks), max(p.per_cpu_second for p in peaks)
     t_mj, t_pt = median(walls["muajax"]), median(walls["torch"])
     c_mj, c_pt = median(cpus["muajax"]), median(cpus["torch"])
     flops = train_step_flops(cfg, args.batch, args.seq)  # the trainer's count: no remat, causal attention
-    result = {
+    return {
         "ratio": ratio(t_pt, t_mj),  # muajax steps/s over torch steps/s (wall clock)
         "mfu": flops / t_mj / peak,
         "torch_mfu": flops / t_pt / peak,
@@ -177,6 +208,14 @@ def run(argv) -> dict:
         "quick": args.quick,
         **machine_info(),
     }
+
+
+def _report(result: dict, first: dict) -> None:
+    """Log the figures; fail when the first-step losses show that the candidates differ."""
+    t_mj, t_pt = result["muajax_median_s"], result["torch_median_s"]
+    c_mj, c_pt = median(result["muajax_cpu_s"]), median(result["torch_cpu_s"])
+    peak, peak_per_cpu_s = result["matmul_peak_flops"], result["matmul_peak_flops_per_cpu_s"]
+    flops, attention_used = result["model_flops_per_step"], result["attention"]
     log(f"torch   {1 / t_pt:8.4f} steps/s  (median {t_pt:.3f} s wall, {c_pt:.3f} s CPU)  "
         f"mfu {result['torch_mfu']:.3f} (per CPU-s {result['torch_mfu_cpu']:.3f})")
     log(f"muajax  {1 / t_mj:8.4f} steps/s  (median {t_mj:.3f} s wall, {c_mj:.3f} s CPU)  "
@@ -185,7 +224,7 @@ def run(argv) -> dict:
         f"{peak / 1e9:.1f} GFLOP/s, {peak_per_cpu_s / 1e9:.1f} GFLOP per CPU-s; {flops / 1e9:.1f} GFLOP per step; "
         f"first loss {first['muajax']:.5f} vs {first['torch']:.5f}; "
         f"load avg {result['load_avg_1m']} on {result['cpu_count']} cores")
-    for name in also:
+    for name in (n for n in result["attention_s"] if n != attention_used):
         log(f"muajax with {name} attention: median {result['attention_s'][name]:.3f} s; {attention_used} "
             f"{t_mj:.3f} s ({attention_used} / {name} {ratio(result['attention_s'][name], t_mj):.3f}x the speed)")
         if not abs(first[f"muajax {name}"] - first["muajax"]) < 1e-4 * max(1.0, abs(first["muajax"])):
@@ -194,4 +233,3 @@ def run(argv) -> dict:
     if not abs(first["muajax"] - first["torch"]) < 1e-3 * max(1.0, abs(first["torch"])):
         raise BenchError(f"first-step losses differ: muajax {first['muajax']:.6g} vs torch {first['torch']:.6g}; "
                          "the two are not training the same model, so the timings would be meaningless")
-    return result
