@@ -55,7 +55,7 @@ fi
 
 # Every worker joins the distributed system and sees the whole slice: the launch will work.
 tpu_ssh "cd ~/$REMOTE_DIR && MUAJAX_DISTRIBUTED=auto ~/$VENV/bin/python -c '
-from muajax.runtime.build import maybe_initialize_distributed
+from muajax.runtime.distributed import maybe_initialize_distributed
 maybe_initialize_distributed()
 import jax
 print(f\"worker {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} of {jax.device_count()} devices\")'"
