@@ -240,6 +240,31 @@ def run(argv: list[str]) -> dict:
                f"new {args.new}, decode_chunk {args.decode_chunk}, max_len {max_len}")
 
     cold, mj_tokens = muajax_generate_once(engine, prompts, args.new)
+    sides, threads = _sides(args, params, cfg, engine, hf_model, prompts)
+    outputs, runs = _timed_rounds(args, sides)
+    setup_threads(args.threads)
+    figures = {name: summarize(rs, args.batch) for name, rs in runs.items()}
+    mj = figures["muajax"]
+    compile_s = max(cold["total_s"] - mj["total_s"], 0.0)
+    mj["compile_s"] = round(compile_s, 3)
+    result = {"config": {k: getattr(args, k) for k in ("batch", "prompt", "new", "decode_chunk", "repeat", "threads",
+                                                       "alt_threads", "quick")} | {"max_len": max_len},
+              "muajax": mj}
+    common.log(_line(f"muajax (max_len {max_len})", mj) + f"  (compile {compile_s:.2f}s, excluded)")
+    if "muajax_base" in figures:
+        _report_base(args, result, figures, outputs["muajax_base"], mj_tokens, max_len)
+    if threads:
+        _report_transformers(args, result, figures, threads, outputs["transformers"], mj_tokens,
+                             hf_model, lambda: muajax_generate_once(engine, prompts, args.new)[0])
+    if args.tunix_python:
+        _report_tunix(args, result, hf_model, prompts, mj_tokens)
+    result["machine"] = common.machine_info()
+    return result
+
+
+def _sides(args, params, cfg, engine, hf_model, prompts: np.ndarray) -> tuple[dict, dict]:
+    """The candidates to time, {name: () -> (figures, tokens)}, and the transformers ones'
+    torch thread counts {name: threads}."""
     sides = {"muajax": lambda: muajax_generate_once(engine, prompts, args.new)}
     if args.max_len is not None and args.max_len != args.base_max_len:
         base_engine = make_engine(params, cfg, args.batch, args.base_max_len, args.decode_chunk)
@@ -254,6 +279,11 @@ def run(argv: list[str]) -> dict:
             setup_threads(n)
             return hf_generate_once(hf_model, prompts, args.new)
         sides[name] = hf_side
+    return sides, threads
+
+
+def _timed_rounds(args, sides: dict) -> tuple[dict, dict]:
+    """Each side's warm-up tokens, and its figures of `args.repeat` alternating rounds."""
     outputs = {}
     for name, side in sides.items():  # warm-up: the first muajax call after compiling can still be slow
         outputs[name] = side()[1]
@@ -262,61 +292,63 @@ def run(argv: list[str]) -> dict:
     for r in range(args.repeat):
         for name in (order if r % 2 == 0 else order[::-1]):
             runs[name].append(sides[name]()[0])
-    setup_threads(args.threads)
-    figures = {name: summarize(rs, args.batch) for name, rs in runs.items()}
+    return outputs, runs
+
+
+def _report_base(args, result: dict, figures: dict, base_tokens: np.ndarray, mj_tokens: np.ndarray,
+                 max_len: int) -> None:
+    """What the larger max_len costs the decode against the engine at --base-max-len."""
     mj = figures["muajax"]
-    compile_s = max(cold["total_s"] - mj["total_s"], 0.0)
-    mj["compile_s"] = round(compile_s, 3)
-    result = {"config": {k: getattr(args, k) for k in ("batch", "prompt", "new", "decode_chunk", "repeat", "threads",
-                                                       "alt_threads", "quick")} | {"max_len": max_len},
-              "muajax": mj}
-    common.log(_line(f"muajax (max_len {max_len})", mj) + f"  (compile {compile_s:.2f}s, excluded)")
-    if "muajax_base" in figures:
-        base = result["muajax_base"] = figures["muajax_base"] | {"max_len": args.base_max_len}
-        result["maxlen_cost_ratio"] = common.ratio(mj["decode_ms_per_step"], base["decode_ms_per_step"])
-        # the same greedy tokens: max_len changes the page tables' width, not the numbers
-        result["maxlen_same_tokens"] = bool(np.array_equal(outputs["muajax_base"], mj_tokens))
-        common.log(_line(f"muajax (max_len {args.base_max_len})", base))
-        common.log(f"decode ms/step at max_len {max_len} / at {args.base_max_len}: x{result['maxlen_cost_ratio']:.3f}"
-                   f"  (same tokens: {result['maxlen_same_tokens']})")
+    base = result["muajax_base"] = figures["muajax_base"] | {"max_len": args.base_max_len}
+    result["maxlen_cost_ratio"] = common.ratio(mj["decode_ms_per_step"], base["decode_ms_per_step"])
+    # the same greedy tokens: max_len changes the page tables' width, not the numbers
+    result["maxlen_same_tokens"] = bool(np.array_equal(base_tokens, mj_tokens))
+    common.log(_line(f"muajax (max_len {args.base_max_len})", base))
+    common.log(f"decode ms/step at max_len {max_len} / at {args.base_max_len}: x{result['maxlen_cost_ratio']:.3f}"
+               f"  (same tokens: {result['maxlen_same_tokens']})")
+
+
+def _report_transformers(args, result: dict, figures: dict, threads: dict, hf_tokens: np.ndarray,
+                         mj_tokens: np.ndarray, hf_model, muajax_once) -> None:
+    """muajax against transformers (at each thread count), and both against the decode floor."""
+    mj = figures["muajax"]
     for name, n in threads.items():
         figures[name]["torch_threads"] = n
         result[name] = figures[name]
         common.log(_line(f"{name} ({n} thr)", figures[name]))
-    if threads:
-        hf = figures["transformers"]
-        best = max((figures[n] for n in threads), key=lambda f: f["decode_tok_s"])
-        best_e2e = max(figures[n]["e2e_tok_s"] for n in threads)
-        result["decode_ratio"] = common.ratio(mj["decode_tok_s"], hf["decode_tok_s"])
-        result["e2e_ratio"] = common.ratio(mj["e2e_tok_s"], hf["e2e_tok_s"])
-        result["decode_ratio_vs_best_torch"] = common.ratio(mj["decode_tok_s"], best["decode_tok_s"])
-        result["e2e_ratio_vs_best_torch"] = common.ratio(mj["e2e_tok_s"], best_e2e)
-        result["greedy_agree_prefix"] = common_prefix(mj_tokens, outputs["transformers"])
-        common.log(f"muajax / transformers ({args.threads} thr, the reference): decode x{result['decode_ratio']:.2f}  "
-                   f"e2e x{result['e2e_ratio']:.2f}  (target decode >= x5)")
-        if len(threads) > 1:
-            common.log(f"muajax / fastest transformers ({best['torch_threads']} thr): "
-                       f"decode x{result['decode_ratio_vs_best_torch']:.2f}  e2e x{result['e2e_ratio_vs_best_torch']:.2f}")
-        common.log(f"greedy tokens agree with transformers for the first {result['greedy_agree_prefix']:.1f}/{args.new} "
-                   "on average (same weights)")
-        result["floor"] = decode_floor.measure(
-            hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
-            torch_threads=threads.values(), repeat=max(5, 5 * args.repeat),
-            muajax_decode=lambda: summarize([muajax_generate_once(engine, prompts, args.new)[0]],
-                                            args.batch)["decode_ms_per_step"])
-        setup_threads(args.threads)
-    if args.tunix_python:
-        tx = tunix_generate(args.tunix_python, hf_model, prompts, args.new, args.repeat)
-        tx_tokens = np.asarray(tx.pop("tokens"))
-        result["tunix"] = tx
-        result["tunix_decode_ms_ratio"] = common.ratio(mj["decode_ms_per_step"], tx["decode_ms_per_step"])
-        result["tunix_greedy_agree_prefix"] = common_prefix(mj_tokens, tx_tokens)
-        common.log(f"tunix {tx['version']} Sampler: decode {tx['decode_ms_per_step']:.2f} ms/step; muajax / tunix "
-                   f"x{result['tunix_decode_ms_ratio']:.3f} (below 1: muajax faster); greedy tokens agree for the first "
-                   f"{result['tunix_greedy_agree_prefix']:.1f}/{args.new}")
-    result["machine"] = common.machine_info()
-    return result
+    hf = figures["transformers"]
+    best = max((figures[n] for n in threads), key=lambda f: f["decode_tok_s"])
+    best_e2e = max(figures[n]["e2e_tok_s"] for n in threads)
+    result["decode_ratio"] = common.ratio(mj["decode_tok_s"], hf["decode_tok_s"])
+    result["e2e_ratio"] = common.ratio(mj["e2e_tok_s"], hf["e2e_tok_s"])
+    result["decode_ratio_vs_best_torch"] = common.ratio(mj["decode_tok_s"], best["decode_tok_s"])
+    result["e2e_ratio_vs_best_torch"] = common.ratio(mj["e2e_tok_s"], best_e2e)
+    result["greedy_agree_prefix"] = common_prefix(mj_tokens, hf_tokens)
+    common.log(f"muajax / transformers ({args.threads} thr, the reference): decode x{result['decode_ratio']:.2f}  "
+               f"e2e x{result['e2e_ratio']:.2f}  (target decode >= x5)")
+    if len(threads) > 1:
+        common.log(f"muajax / fastest transformers ({best['torch_threads']} thr): "
+                   f"decode x{result['decode_ratio_vs_best_torch']:.2f}  e2e x{result['e2e_ratio_vs_best_torch']:.2f}")
+    common.log(f"greedy tokens agree with transformers for the first {result['greedy_agree_prefix']:.1f}/{args.new} "
+               "on average (same weights)")
+    result["floor"] = decode_floor.measure(
+        hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
+        torch_threads=threads.values(), repeat=max(5, 5 * args.repeat),
+        muajax_decode=lambda: summarize([muajax_once()], args.batch)["decode_ms_per_step"])
+    setup_threads(args.threads)
 
+
+def _report_tunix(args, result: dict, hf_model, prompts: np.ndarray, mj_tokens: np.ndarray) -> None:
+    """tunix's Sampler on the same checkpoint and prompts, run by --tunix-python."""
+    mj = result["muajax"]
+    tx = tunix_generate(args.tunix_python, hf_model, prompts, args.new, args.repeat)
+    tx_tokens = np.asarray(tx.pop("tokens"))
+    result["tunix"] = tx
+    result["tunix_decode_ms_ratio"] = common.ratio(mj["decode_ms_per_step"], tx["decode_ms_per_step"])
+    result["tunix_greedy_agree_prefix"] = common_prefix(mj_tokens, tx_tokens)
+    common.log(f"tunix {tx['version']} Sampler: decode {tx['decode_ms_per_step']:.2f} ms/step; muajax / tunix "
+               f"x{result['tunix_decode_ms_ratio']:.3f} (below 1: muajax faster); greedy tokens agree for the first "
+               f"{result['tunix_greedy_agree_prefix']:.1f}/{args.new}")
 
 if __name__ == "__main__":
     from muajax.bench.__main__ import main
