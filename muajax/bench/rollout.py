@@ -222,13 +222,33 @@ def precompile(engine, prompt: list[int]) -> float:
 def run(argv: list[str]) -> dict:
     args = parse(argv)
     os.environ.pop(BENCH_KEY_ENV, None)
-    from muajax.agent.chat import system_prompt_ids
-    from muajax.engine.engine import Engine
-    from muajax.domains.builtin import BuiltinEnvironment
-    from muajax.models.tokenizer import load_tokenizer
-    from muajax.agent.rollout import run_rollouts
     from muajax.agent.rollout_config import RolloutConfig
-    from muajax.domains.openai_user import OpenAIUserSimulator
+
+    engine, tok, env, tasks, policy, prompt = _build(args)
+    conversations = args.tasks * args.n
+    engine.register_prefix(prompt)  # precompiling on the shared prefix: one prefill, not one per slot
+    compile_s = precompile(engine, prompt)
+    engine.clear_prefixes()  # the timed runs start without it, as a new policy version does
+    common.log(f"compiled {len(engine.batch_buckets)} batch buckets in {compile_s:.1f}s")
+    options = RolloutConfig(n_per_task=args.n, max_turns=args.max_turns, max_new_tokens_per_turn=args.max_new,
+                            max_context=args.max_len, system_text=policy)
+    server = DelayedUserServer(args.delay, args.user_turns).start()
+    try:
+        results = asyncio.run(_rounds(args, engine, tok, env, tasks, options, server.url, conversations))
+    finally:
+        server.stop()
+    same = results.pop("same_conversations")
+    return _report(args, results, same, engine, prompt, conversations, compile_s)
+
+
+def _build(args):
+    """The tiny chatty model on an engine, the built-in domain and its tasks, and the padded
+    system prompt: (engine, tokenizer, env, tasks, policy text, prompt ids). Sets
+    `args.max_len` when it was not given."""
+    from muajax.agent.chat import system_prompt_ids
+    from muajax.domains.builtin import BuiltinEnvironment
+    from muajax.engine.engine import Engine
+    from muajax.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     cfg = tiny_config()
@@ -247,47 +267,47 @@ def run(argv: list[str]) -> dict:
     common.log(f"{conversations} conversations ({args.tasks} tasks x {args.n}), tiny Qwen3 "
                f"(hidden {cfg.hidden_size}, vocab {cfg.vocab_size}), user reply delay {args.delay:g}s, "
                f"prompt {len(prompt)} tokens")
-    engine.register_prefix(prompt)  # precompiling on the shared prefix: one prefill, not one per slot
-    compile_s = precompile(engine, prompt)
-    engine.clear_prefixes()  # the timed runs start without it, as a new policy version does
-    common.log(f"compiled {len(engine.batch_buckets)} batch buckets in {compile_s:.1f}s")
-    options = RolloutConfig(n_per_task=args.n, max_turns=args.max_turns, max_new_tokens_per_turn=args.max_new,
-                            max_context=args.max_len, system_text=policy)
-    server = DelayedUserServer(args.delay, args.user_turns).start()
+    return engine, tok, env, tasks, policy, prompt
 
-    async def rounds() -> dict[str, list[dict[str, Any]]]:
-        user = OpenAIUserSimulator(model="bench-user", base_url=server.url, api_key_env=BENCH_KEY_ENV,
-                                   max_concurrency=conversations, timeout_s=60.0 + args.delay, max_retries=0)
-        out: dict[str, list[dict[str, Any]]] = {"overlap": [], "baseline": []}
-        tokens: dict[str, list[list[int]]] = {}
-        try:
-            for r in range(args.repeat):
-                for mode in (("overlap", "baseline") if r % 2 == 0 else ("baseline", "overlap")):
-                    batch = await run_rollouts(engine, tok, env, user, tasks, options=options, seed=args.seed,
-                                               overlap_io=(mode == "overlap"))
-                    failed = sum(t.failed for t in batch)
-                    if failed:
-                        raise common.BenchError(f"{failed} conversations failed in the {mode} run: "
-                                                f"{next(t.error for t in batch if t.failed)}")
-                    tokens.setdefault(mode, [t.tokens for t in batch])
-                    stats = dict(batch.stats, sampled=sum(t.num_sampled for t in batch),
-                                 user_turns=sum(len(t.user_latency_s) for t in batch))
-                    out[mode].append(stats)
-                    common.log(f"  {mode:8s} wall {stats['wall_s']:7.2f}s  device {stats['device_s']:7.2f}s  "
-                               f"busy {stats['busy_share']:.3f}  sampled {stats['sampled']}  "
-                               f"user turns {stats['user_turns']}  peak live {stats['peak_live']}  "
-                               f"prefix: prefilled {stats['prefix_prefill_tokens']} tokens, {stats['prefix_hits']} hits")
-        finally:
-            await user.aclose()
-        # per-rollout seeds: both schedules must produce the very same conversations
-        out["same_conversations"] = tokens["overlap"] == tokens["baseline"]
-        return out
 
+async def _rounds(args, engine, tok, env, tasks, options, user_url: str,
+                  conversations: int) -> dict[str, list[dict[str, Any]]]:
+    """`args.repeat` rounds of both modes, alternating which goes first: each run's stats per
+    mode, and whether both modes produced the same conversations."""
+    from muajax.agent.rollout import run_rollouts
+    from muajax.domains.openai_user import OpenAIUserSimulator
+
+    user = OpenAIUserSimulator(model="bench-user", base_url=user_url, api_key_env=BENCH_KEY_ENV,
+                               max_concurrency=conversations, timeout_s=60.0 + args.delay, max_retries=0)
+    out: dict[str, list[dict[str, Any]]] = {"overlap": [], "baseline": []}
+    tokens: dict[str, list[list[int]]] = {}
     try:
-        results = asyncio.run(rounds())
+        for r in range(args.repeat):
+            for mode in (("overlap", "baseline") if r % 2 == 0 else ("baseline", "overlap")):
+                batch = await run_rollouts(engine, tok, env, user, tasks, options=options, seed=args.seed,
+                                           overlap_io=(mode == "overlap"))
+                failed = sum(t.failed for t in batch)
+                if failed:
+                    raise common.BenchError(f"{failed} conversations failed in the {mode} run: "
+                                            f"{next(t.error for t in batch if t.failed)}")
+                tokens.setdefault(mode, [t.tokens for t in batch])
+                stats = dict(batch.stats, sampled=sum(t.num_sampled for t in batch),
+                             user_turns=sum(len(t.user_latency_s) for t in batch))
+                out[mode].append(stats)
+                common.log(f"  {mode:8s} wall {stats['wall_s']:7.2f}s  device {stats['device_s']:7.2f}s  "
+                           f"busy {stats['busy_share']:.3f}  sampled {stats['sampled']}  "
+                           f"user turns {stats['user_turns']}  peak live {stats['peak_live']}  "
+                           f"prefix: prefilled {stats['prefix_prefill_tokens']} tokens, {stats['prefix_hits']} hits")
     finally:
-        server.stop()
-    same = results.pop("same_conversations")
+        await user.aclose()
+    # per-rollout seeds: both schedules must produce the very same conversations
+    out["same_conversations"] = tokens["overlap"] == tokens["baseline"]
+    return out
+
+
+def _report(args, results: dict, same: bool, engine, prompt: list[int], conversations: int,
+            compile_s: float) -> dict:
+    """Log the medians of both modes and the shared prefix's savings; the benchmark's JSON."""
     med = {mode: {k: common.median([r[k] for r in runs]) for k in ("busy_share", "wall_s", "device_s", "sampled")}
            for mode, runs in results.items()}
     o, b = med["overlap"], med["baseline"]
