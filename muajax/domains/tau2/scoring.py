@@ -127,6 +127,32 @@ def _pair(calls: list, responses: list[dict[str, Any]]) -> tuple[list[dict | Non
     return paired, len(by_id) + len(unnamed)
 
 
+def _kept_calls(calls: list, paired: list[dict | None], index: int, *, agent_tools: frozenset[str],
+                agent_log: list[ExecutedCall], emitted: int,
+                stats: dict[str, int]) -> tuple[list[Tau2ToolCall], list[ToolMessage]]:
+    """The τ2 tool calls of message `index` that really ran, with their recorded responses;
+    counts the others in `stats["dropped_tool_calls"]`. `emitted`: agent calls kept before
+    this message (their position in the session's log)."""
+    kept_calls: list[Tau2ToolCall] = []
+    kept_responses: list[ToolMessage] = []
+    for (call_id, name, args), response in zip(calls, paired):
+        if response is None or args is None or name not in agent_tools:
+            stats["dropped_tool_calls"] += 1
+            continue
+        position = emitted + len(kept_calls)
+        tc_id = call_id if isinstance(call_id, str) and call_id else f"muajax-call-{position}"
+        call = Tau2ToolCall(id=tc_id, name=name, arguments=args, requestor="assistant")
+        logged = agent_log[position] if position < len(agent_log) else None
+        if logged is not None and logged.call.name == name and logged.call.arguments == args:
+            content, error = logged.response.content, logged.response.error
+        else:
+            content, error = _text(response, index) or "", False
+        kept_calls.append(call)
+        kept_responses.append(ToolMessage(id=tc_id, role="tool", content=content, requestor="assistant",
+                                          error=error))
+    return kept_calls, kept_responses
+
+
 def to_tau2_trajectory(
     messages: Sequence[dict[str, Any]],
     *,
@@ -180,23 +206,8 @@ def to_tau2_trajectory(
         calls = _parse_calls(message, i)
         paired, unmatched = _pair(calls, responses)
         stats["orphan_tool_messages"] += unmatched
-        kept_calls: list[Tau2ToolCall] = []
-        kept_responses: list[ToolMessage] = []
-        for (call_id, name, args), response in zip(calls, paired):
-            if response is None or args is None or name not in agent_tools:
-                stats["dropped_tool_calls"] += 1
-                continue
-            position = emitted + len(kept_calls)
-            tc_id = call_id if isinstance(call_id, str) and call_id else f"muajax-call-{position}"
-            call = Tau2ToolCall(id=tc_id, name=name, arguments=args, requestor="assistant")
-            logged = agent_log[position] if position < len(agent_log) else None
-            if logged is not None and logged.call.name == name and logged.call.arguments == args:
-                content, error = logged.response.content, logged.response.error
-            else:
-                content, error = _text(response, i) or "", False
-            kept_calls.append(call)
-            kept_responses.append(ToolMessage(id=tc_id, role="tool", content=content, requestor="assistant",
-                                              error=error))
+        kept_calls, kept_responses = _kept_calls(calls, paired, i, agent_tools=agent_tools, agent_log=agent_log,
+                                                 emitted=emitted, stats=stats)
         text = _text(message, i)
         if kept_calls:
             flush_user_calls(emitted)
