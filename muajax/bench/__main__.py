@@ -8,7 +8,7 @@ import sys
 import muajax.bench as bench_pkg
 from muajax.bench.common import BenchError, emit_json
 
-_NOT_BENCHMARKS = {"common", "__main__", "tunix_side"}  # tunix_side: a script generate runs
+_NOT_BENCHMARKS = {"common", "__main__", "tunix_side", "decode_floor"}  # helpers: a script and the floor generate runs
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
