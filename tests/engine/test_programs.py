@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from muajax.planning.topology import libtpu_available
+from tests.support import workers
 
 NEEDS_LIBTPU = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
                                   'pip install -e ".[tpu]"')
@@ -17,10 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_checks(script: str, *args: str) -> dict:
-    """`tests/engine/<script>` in a fresh process with 8 fake CPU devices; its last line, as JSON."""
+    """The worker `script` (tests/support/workers/) in a fresh process with 8 fake CPU devices; its last line, as JSON."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "engine", script), *args],
+    proc = subprocess.run([sys.executable, workers.path(script), *args],
                           check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -65,7 +66,7 @@ def test_pallas_programs_compile_for_a_tpu_topology():
     on v5p:2x2x1 (two page shards x tensor 2); temporaries and collectives do not follow the pool."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # other processes on this host may hold libtpu
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "engine", "tpu_compile_checks.py"), "v5p:2x2x1"],
+    proc = subprocess.run([sys.executable, workers.path("tpu_compile_checks.py"), "v5p:2x2x1"],
                           check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])

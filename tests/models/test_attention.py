@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from muajax.models import attention as attn
-from muajax.models.qwen3 import Qwen3Config, abstract_params, forward
+from muajax.models.qwen3 import abstract_params, forward
 from muajax.planning.topology import libtpu_available
+from tests.support import workers
+from tests.support.tiny_models import TINY_CONFIG
 
 NEEDS_LIBTPU = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
                                   'pip install -e ".[tpu]"')
@@ -166,8 +168,7 @@ def test_bad_arguments_say_what_is_wrong():
 
 def _attention_temporaries(impl: str, length: int) -> int:
     """Compiled (CPU) temporaries of a tiny model's forward and backward over one row."""
-    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, attention=impl)
+    cfg = TINY_CONFIG.replace(attention=impl)
     params = nn.meta.unbox(abstract_params(cfg))
     loss = lambda p, x: jnp.mean(forward(p, cfg, x, return_hidden=True)[0] ** 2)
     compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, length), jnp.int32)).compile()
@@ -186,13 +187,13 @@ def test_chunked_memory_grows_linearly_and_the_reference_quadratically():
 
 @functools.lru_cache(maxsize=None)
 def _splash_checks() -> dict:
-    """tests/models/splash_checks.py in a fresh process: 4 fake CPU devices, and libtpu's
+    """tests/support/workers/splash_checks.py in a fresh process: 4 fake CPU devices, and libtpu's
     compiler for a v5p topology (ALLOW_MULTIPLE_LIBTPU_LOAD: other processes on this machine
     may hold libtpu's lock, which a compile-only process does not need)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "models", "splash_checks.py")],
+    proc = subprocess.run([sys.executable, workers.path("splash_checks.py")],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from tests.support import workers
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 2e-5
 
@@ -15,7 +17,7 @@ TOL = 2e-5
 def _run() -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, os.path.join(REPO, "tests", "models", "context_parallel_checks.py")],
+    return subprocess.run([sys.executable, workers.path("context_parallel_checks.py")],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
 
 

@@ -1,5 +1,6 @@
 """The SFT step: loss on assistant tokens only, the same sharded machinery as GRPO. The
-compiled runs happen in a subprocess with 8 fake CPU devices (tests/rl/step_checks.py sft)."""
+compiled runs happen in a subprocess with 8 fake CPU devices
+(tests/support/workers/step_checks.py sft)."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -10,7 +11,7 @@ import numpy as np
 
 from muajax.rl import token_logprobs
 from muajax.rl.sft import sft_terms
-from tests.rl import subproc
+from tests.support import step_scenarios
 
 B, T, V = 4, 16, 96
 
@@ -53,7 +54,7 @@ def test_context_tokens_add_their_weighted_nll_but_logs_stay_the_assistants():
 
 
 def test_sft_step_is_the_masked_token_mean_nll():
-    r = subproc.scenario("sft", "sft")
+    r = step_scenarios.scenario("sft", "sft")
     m = r["metrics"]
     assert abs(m["loss"] - r["want_loss"]) < 1e-6 and m["nll"] == m["loss"]
     assert m["num_tokens"] == r["want_num_tokens"] and m["skipped"] == 0
@@ -61,19 +62,19 @@ def test_sft_step_is_the_masked_token_mean_nll():
 
 
 def test_sft_tail_of_non_assistant_tokens_does_not_change_the_loss():
-    r = subproc.scenario("sft", "sft")
+    r = step_scenarios.scenario("sft", "sft")
     assert r["tail_loss"] == r["metrics"]["loss"]
     assert r["hit_loss"] != r["metrics"]["loss"]  # while an assistant token does
 
 
 def test_sft_sharded_microbatched_step_matches_one_device():
-    r = subproc.scenario("sft", "sft")["sharded_microbatched"]
+    r = step_scenarios.scenario("sft", "sft")["sharded_microbatched"]
     assert r["loss_diff"] < 1e-6 and r["grad_norm_diff"] < 1e-6 and r["mu_diff"] < 1e-8
     assert r["param_delta"] > 1e-3  # lr 1e-2: the step really moved the weights
 
 
 def test_sft_steps_learn_the_assistant_tokens():
-    r = subproc.scenario("sft", "sft")
+    r = step_scenarios.scenario("sft", "sft")
     losses = r["losses"]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, losses
     assert r["final_step"] == 4

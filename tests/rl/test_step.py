@@ -1,7 +1,7 @@
 """The sharded GRPO train step: exactness (microbatches, meshes), skip-on-non-finite, the
 no-KL path, layouts. The compiled runs happen once, in a subprocess with 8 fake CPU
-devices (tests/rl/step_checks.py); these tests check its measurements. Trace-only and
-argument checks run here."""
+devices (tests/support/workers/step_checks.py); these tests check its measurements.
+Trace-only and argument checks run here."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.optim import make_optimizer, make_schedule
 from muajax.rl.grpo import GRPOConfig, make_grpo_step
 from muajax.rl.step import model_abstract_params
-from tests.rl import subproc
+from tests.support import step_scenarios
+from tests.support.tiny_models import TINY_CONFIG
 
 
 def scenario(name: str) -> dict:
-    return subproc.scenario("grpo", name)
+    return step_scenarios.scenario("grpo", name)
 
 
 def test_loss_matches_the_documented_alignment():
@@ -88,8 +88,7 @@ def test_mesh_matches_one_device_and_follows_the_rules(mesh):
 
 # ----------------------------------------------------------------------------- in-process, no compile
 
-CFG = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = TINY_CONFIG.replace(vocab_size=96, hidden_size=32, intermediate_size=64, head_dim=8)
 
 
 def tiny_batch(b=8, t=12):

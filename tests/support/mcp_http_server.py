@@ -12,7 +12,7 @@ from typing import Self
 import uvicorn
 from starlette.responses import JSONResponse
 
-from tests.domains.mcp import mcp_demo_server
+from tests.support.workers import mcp_demo_server
 
 
 class _RequireKey:

@@ -1,19 +1,58 @@
-"""Tiny random Qwen3 checkpoints built with `transformers` and saved, for parity tests."""
+"""The tiny models the tests use, in one place.
+
+- `TINY_CONFIG` and `ONE_LAYER_CONFIG`: muajax `Qwen3Config`s. A test that needs another shape
+  says what differs (`TINY_CONFIG.replace(head_dim=128)`). jax caches compiled programs per
+  static config, so tests that use equal configs share their compilations within a session.
+- `TINY_ARCH` and `arch_override(...)`: the inline `model.arch` of tiny runs (run configs and
+  `python -m muajax.train` overrides); the vocabulary comes from the run (`model.vocab`).
+- `HF_TINY` and `make_hf_checkpoint(...)`: random `Qwen3ForCausalLM` checkpoints saved with
+  `transformers`, for parity, loading and engine tests.
+
+The session-scoped fixtures (one HF checkpoint per seed, the tokenizer) are in
+tests/support/fixtures.py.
+"""
 from __future__ import annotations
 
 import os
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=10000.0,
-            max_position_embeddings=512, tie_word_embeddings=False)
+import yaml
+
+from muajax.models.qwen3_config import Qwen3Config
+
+# Two layers, width 64, grouped-query attention (4 query heads over 2 KV heads, head_dim 16),
+# a 256-token vocabulary: ArchConfig's default shape with a small vocabulary.
+TINY_CONFIG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16)
+
+# One layer, width 32, 2 query heads over 1 KV head (head_dim 16), a 64-token vocabulary: the
+# smallest model that still has grouped-query attention. TINY_ARCH is this shape.
+ONE_LAYER_CONFIG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                               num_kv_heads=1, head_dim=16)
+
+# The inline `model.arch` of tiny runs: ONE_LAYER_CONFIG's shape, room for 2048 positions.
+TINY_ARCH = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                 max_position_embeddings=2048)
+
+
+def arch_override(**changes) -> str:
+    """`model.arch={...}`: TINY_ARCH with `changes`, as a run-config override."""
+    arch = yaml.safe_dump({**TINY_ARCH, **changes}, default_flow_style=True, sort_keys=False, width=float("inf"))
+    return f"model.arch={arch.strip()}"
+
+
+# `transformers.Qwen3Config` arguments of the random HF checkpoints (make_hf_checkpoint).
+HF_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=10000.0,
+               max_position_embeddings=512, tie_word_embeddings=False)
 
 
 def make_hf_checkpoint(path: str, *, seed: int = 0, max_shard_size: str | None = None, dtype=None, **overrides) -> str:
-    """Save a random `Qwen3ForCausalLM` (float32 unless `dtype`) to `path`; returns the path."""
+    """Save a random `Qwen3ForCausalLM` (HF_TINY with `overrides`; float32 unless `dtype`) to
+    `path`; returns the path. Tests that only read one use the `hf_checkpoint` fixture."""
     import torch
     import transformers
 
-    kwargs = {**TINY, **overrides}
+    kwargs = {**HF_TINY, **overrides}
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kwargs)).eval()
     with torch.no_grad():  # HF inits norms to exactly 1; randomise them so the tests see them

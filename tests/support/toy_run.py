@@ -7,11 +7,11 @@ from muajax.domains.base import Domain
 from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import DomainTokenizer, DomainVocab
 from muajax.train.trainer import Trainer
+from tests.support.tiny_models import arch_override
 from tests.support.toy_domain import SayYesEnvironment, StopUser
 
 TOY = ["run.stages=[grpo]", "model.vocab=domain",
-       "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-       " head_dim: 16, max_position_embeddings: 256}",
+       arch_override(max_position_embeddings=256),
        "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_new_tokens_per_turn=4",
        "rollout.max_context=128", "rollout.max_turns=2", "grpo.steps=2", "grpo.learning_rate=1e-2",
        "grpo.kl_coef=0", "metrics.progress_bar=false", "metrics.tensorboard=false", "checkpoint.every_steps=1",

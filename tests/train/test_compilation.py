@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 
+from tests.support import workers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_worker(cache_dir) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "train", "compile_cache_worker.py"),
+    proc = subprocess.run([sys.executable, workers.path("compile_cache.py"),
                            str(cache_dir)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def launch(out_dir, *overrides) -> subprocess.Popen:
     # LLVM opt level 0 halves compile time; both runs use it
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    return subprocess.Popen([sys.executable, "-m", "tests.train.jitter_worker", str(out_dir), *overrides], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "tests.support.workers.jitter", str(out_dir), *overrides], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

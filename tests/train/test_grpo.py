@@ -15,11 +15,11 @@ from muajax.models.vocab import DomainTokenizer, DomainVocab
 from muajax.runtime import build
 from muajax.train.context import build_context
 from muajax.train.grpo import run_grpo
+from tests.support.tiny_models import arch_override
 from tests.support.toy_domain import SayYesEnvironment, StopUser
 
 BASE = ["run.stages=[grpo]", "model.vocab=domain",
-        "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-        " head_dim: 16, max_position_embeddings: 256}",
+        arch_override(max_position_embeddings=256),
         "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_new_tokens_per_turn=4",
         "rollout.max_context=128", "rollout.max_turns=2", "grpo.steps=1", "grpo.learning_rate=1e-2",
         "grpo.kl_coef=0", "metrics.progress_bar=false", "metrics.tensorboard=false", "checkpoint.every_steps=100"]
@@ -77,7 +77,7 @@ def test_a_run_whose_steps_keep_going_non_finite_stops_after_saving(tmp_path):
     and its update is skipped; past grpo.max_consecutive_skips the run stops, saved."""
     from muajax.runtime.checkpoint import finished_steps
     from muajax.train.loop import TrainingStopped
-    from tests.train.toy_run import toy_config, toy_trainer
+    from tests.support.toy_run import toy_config, toy_trainer
 
     cfg = toy_config(tmp_path, "grpo.learning_rate=inf", "grpo.steps=10", "grpo.max_consecutive_skips=2",
                      "checkpoint.every_steps=100")

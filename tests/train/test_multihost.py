@@ -10,6 +10,7 @@ import pytest
 
 from muajax.runtime.host_batch import PAD_GROUP, pad_rows
 from muajax.runtime.distributed import task_share
+from tests.support.tiny_models import arch_override
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 900
@@ -18,8 +19,7 @@ TIMEOUT = 900
 # (one compilation of the step), for two steps of two microbatches (each holding rows of
 # both processes).
 TINY_GRPO = [
-    "run.stages=[grpo]", "model.hf_dir=null", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
-    " num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
+    "run.stages=[grpo]", "model.hf_dir=null", arch_override(), "model.vocab=domain",
     "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
     "rollout.max_context=1024", "grpo.steps=2", "grpo.learning_rate=1e-3", "grpo.microbatch_size=2",
     "checkpoint.every_steps=1",
@@ -100,7 +100,7 @@ def test_distributed_helpers_across_two_processes(tmp_path):
     """fsdp over 2 processes × 2 devices: the per-process engine replica, the global batch
     (split, padded, and replicated across processes), metric gathering, broadcast, checkpoints."""
     port = free_port()
-    procs = [launch(["-m", "tests.train.multihost_worker", str(tmp_path / "ckpt")], devices=2, process_id=i, port=port)
+    procs = [launch(["-m", "tests.support.workers.multihost", str(tmp_path / "ckpt")], devices=2, process_id=i, port=port)
              for i in range(2)]
     results = [json.loads(next(line[7:] for line in out.splitlines() if line.startswith("RESULT ")))
                for _, out, _ in finish(procs)]

@@ -21,12 +21,12 @@ from muajax.models.qwen3 import Qwen3Config
 from muajax.train.__main__ import EMBEDDED_DEFAULT
 from muajax.runtime.checkpoint import Checkpointer, CheckpointReadError, finished_steps
 from muajax.runtime.resume import ResumeError, abstract_train_state, may_change, math_changes
-from tests.train.toy_run import toy_config, toy_tokenizer, toy_trainer
+from tests.support.tiny_models import arch_override
+from tests.support.toy_run import toy_config, toy_tokenizer, toy_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = ["run.stages=[grpo]", "model.hf_dir=null", "model.vocab=full", "metrics.progress_bar=false",
-       "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-       " head_dim: 16, max_position_embeddings: 2048}", "metrics.tensorboard=false"]
+       arch_override(), "metrics.tensorboard=false"]
 SMALL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
              head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
 

@@ -15,7 +15,7 @@ from muajax.runtime.host_batch import length_buckets
 from muajax.train.grpo import shared_system_prefix
 from muajax.train.step_metrics import (ProfileWindow, device_peak_flops, hbm_high_water, measure_matmul_peak,
                                        peak_flops, perf_record, step_throughput)
-from tests.train.toy_run import toy_config, toy_trainer
+from tests.support.toy_run import toy_config, toy_trainer
 
 
 class FakeDevice:

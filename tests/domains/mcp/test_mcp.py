@@ -1,4 +1,4 @@
-"""MCP environment against a real stdio server (tests/domains/mcp/mcp_demo_server.py)."""
+"""MCP environment against a real stdio server (tests/support/workers/mcp_demo_server.py)."""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,9 @@ from muajax.domains.base import Observation, ToolCall
 from muajax.domains.mcp.client import McpClient
 from muajax.domains.mcp.environment import McpEnvironment
 from muajax.domains.mcp.scenario import McpError, McpServerConfig, load_scenario
+from tests.support import workers
 
-SERVER = Path(__file__).with_name("mcp_demo_server.py")
+SERVER = workers.path("mcp_demo_server.py")
 
 SCENARIO = {
     "name": "notes",

@@ -14,9 +14,10 @@ from muajax.domains.combined import CombinedEnvironment
 from muajax.domains.mcp.config import McpError
 from muajax.domains.mcp.environment import McpEnvironment
 from muajax.domains.registry import make_environment
-from tests.domains.mcp.http_server import NotesHttpServer
+from tests.support import workers
+from tests.support.mcp_http_server import NotesHttpServer
 
-SERVER = Path(__file__).with_name("mcp_demo_server.py")
+SERVER = workers.path("mcp_demo_server.py")
 
 
 def scenario(name: str, server, split: str = "train") -> dict:

@@ -1,8 +1,8 @@
 """Compile the engine's decode and extend programs for a mesh on 8 fake CPU devices, at two
 pool sizes and two gathered lengths, and print their collectives as JSON (one line).
 
-Run by test_programs.py in a fresh process (XLA_FLAGS gives it 8 CPU devices):
-    python tests/engine/collective_checks.py DATA,FSDP,TENSOR
+Run by tests/engine/test_programs.py in a fresh process (XLA_FLAGS gives it 8 CPU devices):
+    python tests/support/workers/collective_checks.py DATA,FSDP,TENSOR
 """
 import json
 import re
@@ -10,10 +10,9 @@ import sys
 
 from muajax import parallel
 from muajax.engine.programs import abstract_programs
-from muajax.models.qwen3 import Qwen3Config
+from tests.support.tiny_models import TINY_CONFIG
 
-CFG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
-                  head_dim=16)
+CFG = TINY_CONFIG.replace(num_heads=8, num_kv_heads=4)
 OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
 INSTRUCTION = re.compile(r"^\s*%?\S+ = (.+?) (" + "|".join(OPS) + r")(-start)?\(")
 

@@ -8,18 +8,18 @@ import jax
 import numpy as np
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
 from muajax.rl.optim import make_optimizer
 from muajax.rl.sft import make_sft_step
 from muajax.train.compilation import enable_compilation_cache
 from muajax.train.loop import CallbackHook, run_steps
+from tests.support.tiny_models import TINY_CONFIG
 
 enable_compilation_cache(sys.argv[1])
 hits = []
 jax.monitoring.register_event_listener(lambda event, **_: hits.append(event)
                                        if event == "/jax/compilation_cache/cache_hits" else None)
-cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, attention="chunked")
+cfg = TINY_CONFIG.replace(vocab_size=128, attention="chunked")
 step_fn = make_sft_step(cfg, make_optimizer(1e-3), parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
                         logits_chunk=32)
 batch = {"tokens": np.ones((2, 96), np.int32), "loss_mask": np.ones((2, 96), np.int32)}

@@ -20,9 +20,10 @@ import numpy as np
 
 from muajax import parallel
 from muajax.models.attention import attention
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
 from muajax.rl.optim import make_optimizer
 from muajax.rl.sft import make_sft_step
+from tests.support.tiny_models import TINY_CONFIG
 
 MESHES = {"fsdp2_seq2": (1, 2, 1, 2), "fsdp2_seq4": (1, 2, 1, 4), "tensor2_seq2": (1, 2, 2, 2)}
 BLOCKS = {"xla": None, "chunked": 16, "splash": 128}
@@ -93,8 +94,7 @@ def split_check() -> dict:
 
 
 def sft_step_check() -> dict:
-    cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=32, attention="chunked")
+    cfg = TINY_CONFIG.replace(vocab_size=97, intermediate_size=96, head_dim=32, attention="chunked")
     params = init_params(cfg, jax.random.key(0))
     rng = np.random.RandomState(1)
     tokens = rng.randint(1, 97, (4, 96)).astype(np.int32)

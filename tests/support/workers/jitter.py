@@ -2,7 +2,7 @@
 simulated users and tools answer after random delays (from the OS's entropy: different in
 every run), so replies arrive in a different order each time.
 
-Run as `python -m tests.train.jitter_worker OUT_DIR [overrides...]`; prints one line
+Run as `python -m tests.support.workers.jitter OUT_DIR [overrides...]`; prints one line
 `RESULT {json}`: the params' sha256 and the conversations (by seed) of every decode call.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ from muajax.runtime import build
 from muajax.train.context import build_context
 from muajax.train.grpo import run_grpo
 from muajax.train.trainer import params_fingerprint
+from tests.support.tiny_models import arch_override
 
 RUN = ["run.stages=[grpo]", "model.hf_dir=null", "model.vocab=domain",
-       "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-       " head_dim: 16, max_position_embeddings: 2048}",
+       arch_override(),
        "rollout.n_per_task=3", "rollout.tasks_per_step=2", "rollout.max_turns=4", "rollout.max_new_tokens_per_turn=10",
        "rollout.max_context=1536", "env.builtin_terse_tools=true", "rollout.temperature=1.0", "grpo.steps=2", "grpo.learning_rate=1e-3",
        "grpo.microbatch_size=null", "eval.max_tasks=1", "metrics.progress_bar=false", "metrics.tensorboard=false",

@@ -1,8 +1,8 @@
 """A tiny, real MCP stdio server for muajax's tests: an in-memory notes store.
 
 State lives in the process, so every server process is an isolated store. Run with
-`python tests/domains/mcp/mcp_demo_server.py` (stdio transport); `server.streamable_http_app()`
-serves it over streamable HTTP (tests/domains/mcp/http_server.py). Built on the MCP SDK's
+`python tests/support/workers/mcp_demo_server.py` (stdio transport); `server.streamable_http_app()`
+serves it over streamable HTTP (tests/support/mcp_http_server.py). Built on the MCP SDK's
 `MCPServer` (mcp 2.x's name for FastMCP).
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Run the engine on meshes of 8 fake CPU devices and on one device, and print what each
 generated as JSON (one line): the sharded pool must change nothing but where pages live.
 
-Run by test_programs.py in a fresh process (XLA_FLAGS gives it 8 CPU devices):
-    python tests/engine/mesh_checks.py
+Run by tests/engine/test_programs.py in a fresh process (XLA_FLAGS gives it 8 CPU devices):
+    python tests/support/workers/mesh_checks.py
 """
 import json
 
@@ -11,11 +11,11 @@ import numpy as np
 
 from muajax import parallel
 from muajax.engine.engine import Engine, SamplingParams
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
 from muajax.models.sharding import param_shardings
+from tests.support.tiny_models import TINY_CONFIG
 
-CFG = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, rope_theta=10000.0)
+CFG = TINY_CONFIG.replace(vocab_size=128, intermediate_size=96, rope_theta=10000.0)
 MESHES = {"one device": None, "data=2,fsdp=2,tensor=2": (2, 2, 2), "fsdp=8": (1, 8, 1), "fsdp=2,tensor=4": (1, 2, 4),
           # a training mesh split over sequence: the resident engine runs on the run's mesh
           "fsdp=2,sequence=4": (1, 2, 1, 4)}

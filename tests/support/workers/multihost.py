@@ -1,6 +1,6 @@
-"""One process of `tests/test_multihost.py::test_distributed_helpers_across_two_processes`.
+"""One process of `tests/train/test_multihost.py::test_distributed_helpers_across_two_processes`.
 
-Run as `python -m tests.train.multihost_worker CHECKPOINT_DIR` with MUAJAX_COORDINATOR,
+Run as `python -m tests.support.workers.multihost CHECKPOINT_DIR` with MUAJAX_COORDINATOR,
 MUAJAX_NUM_PROCESSES=2 and MUAJAX_PROCESS_ID set and two CPU devices per process; prints
 one line `RESULT {json}` whose checks the test asserts. The training mesh is fsdp over all
 four devices, so params and state are split within and across processes (the end-to-end
@@ -25,13 +25,12 @@ from muajax import parallel  # noqa: E402
 from muajax.runtime import distributed, host_batch  # noqa: E402
 from muajax.runtime.checkpoint import Checkpointer  # noqa: E402
 from muajax.engine.engine import Engine, SamplingParams  # noqa: E402
-from muajax.models.qwen3 import Qwen3Config  # noqa: E402
 from muajax.runtime.build import initial_params  # noqa: E402
 from muajax.runtime.rollout_engine import RolloutEngine  # noqa: E402
 from muajax.agent.trajectory import Trajectory, rollout_metrics  # noqa: E402
+from tests.support.tiny_models import ONE_LAYER_CONFIG  # noqa: E402
 
-CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=16, max_position_embeddings=128)
+CFG = ONE_LAYER_CONFIG.replace(max_position_embeddings=128)
 
 
 def gathered(tree):

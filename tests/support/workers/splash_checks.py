@@ -15,8 +15,9 @@ import numpy as np
 
 from muajax import parallel
 from muajax.models.attention import attention
-from muajax.models.qwen3 import Qwen3Config, abstract_params, forward
+from muajax.models.qwen3 import abstract_params, forward
 from muajax.models.sharding import param_shardings
+from tests.support.tiny_models import TINY_CONFIG
 
 
 def cpu_mesh() -> dict:
@@ -46,8 +47,8 @@ def tpu_compile() -> dict:
 
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
     mesh = parallel.make_mesh(1, 2, 2, devices=devices)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=128, dtype="bfloat16", param_dtype="bfloat16", attention="splash")
+    cfg = TINY_CONFIG.replace(hidden_size=128, intermediate_size=256, head_dim=128, dtype="bfloat16",
+                              param_dtype="bfloat16", attention="splash")
     shardings = param_shardings(cfg, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           nn.meta.unbox(abstract_params(cfg)), shardings)

@@ -27,15 +27,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from muajax import parallel  # noqa: E402
-from muajax.models.qwen3 import Qwen3Config, forward, init_params, logical_axes  # noqa: E402
+from muajax.models.qwen3 import forward, init_params, logical_axes  # noqa: E402
 from muajax.rl import group_advantages, policy_loss, token_logprobs  # noqa: E402
 from muajax.rl.optim import make_optimizer  # noqa: E402
 from muajax.rl.sft import make_sft_step  # noqa: E402
 from muajax.rl.grpo import GRPOConfig, make_grpo_step  # noqa: E402
+from tests.support.tiny_models import TINY_CONFIG  # noqa: E402
 
 # Every sharded dimension divides by 8 (fsdp) and 4 (tensor), so each rule really bites.
-CFG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                  num_kv_heads=4, head_dim=16, rope_theta=10000.0)
+CFG = TINY_CONFIG.replace(num_heads=8, num_kv_heads=4, rope_theta=10000.0)
 B, T = 16, 16
 KL = GRPOConfig(kl_coef=0.05)
 NO_KL = GRPOConfig(kl_coef=0.0)

@@ -2,7 +2,7 @@
 compiler (libtpu), from this CPU host, at two pool sizes, and print per-program facts as
 JSON (one line).
 
-Run by test_programs.py in a fresh process: python tests/engine/tpu_compile_checks.py v5p:2x2x1
+Run by tests/engine/test_programs.py in a fresh process: python tests/support/workers/tpu_compile_checks.py v5p:2x2x1
 """
 import json
 import sys
@@ -13,11 +13,11 @@ from jax.sharding import AxisType, Mesh
 
 from muajax import parallel
 from muajax.engine.programs import abstract_programs
-from muajax.models.qwen3 import Qwen3Config
-from tests.engine.collective_checks import collectives
+from tests.support.tiny_models import TINY_CONFIG
+from tests.support.workers.collective_checks import collectives
 
-CFG = Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8, num_kv_heads=4,
-                  head_dim=128, dtype="bfloat16")
+CFG = TINY_CONFIG.replace(vocab_size=1024, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4,
+                          head_dim=128, dtype="bfloat16")
 
 
 def main(topology: str) -> None:
