@@ -4,10 +4,9 @@ import numpy as np
 from muajax.engine import batching
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.pages import PagedSeq, PagePool, PageTables
-from muajax.models.qwen3 import Qwen3Config
+from tests.support.tiny_models import ONE_LAYER_CONFIG
 
-CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=8)
+CFG = ONE_LAYER_CONFIG.replace(intermediate_size=32, head_dim=8)
 
 
 def test_long_prompts_are_extended_in_bounded_chunks_never_at_max_len():

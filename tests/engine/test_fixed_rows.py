@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from muajax.engine.engine import Engine, SamplingParams
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
+from tests.support.tiny_models import TINY_CONFIG
 
-CFG = Qwen3Config(vocab_size=500, hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16)
+CFG = TINY_CONFIG.replace(vocab_size=500, intermediate_size=192)
 
 
 @pytest.fixture(scope="module")

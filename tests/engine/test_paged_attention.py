@@ -12,7 +12,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.engine.paged_attention import ragged_reference, resolve_attention
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
+from tests.support.tiny_models import ONE_LAYER_CONFIG, TINY_CONFIG
 
 
 @pytest.fixture
@@ -69,8 +70,7 @@ def test_pure_jax_paged_attention_equals_the_pallas_kernel(name, interpret):
 
 
 def test_attention_choice():
-    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=128)
+    cfg = ONE_LAYER_CONFIG.replace(hidden_size=64, head_dim=128)
     assert resolve_attention("auto", cfg) == "reference"  # a CPU test process
     assert resolve_attention("pallas", cfg) == "pallas"
     with pytest.raises(ValueError, match="head_dim % 128"):
@@ -80,8 +80,7 @@ def test_attention_choice():
 
 
 def test_engine_on_the_pallas_kernel_equals_the_pure_jax_engine(interpret):
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=128, rope_theta=10000.0)
+    cfg = TINY_CONFIG.replace(vocab_size=128, intermediate_size=96, head_dim=128, rope_theta=10000.0)
     params = init_params(cfg, jax.random.key(3))
     rng = np.random.RandomState(5)
     first = [[int(t) for t in rng.randint(0, 128, n)] for n in (19, 4, 33)]

@@ -1,15 +1,14 @@
 import pytest
 
-from muajax.models.qwen3 import Qwen3Config
 from muajax.models.flops import (
     attention_pairs,
     forward_flops,
     matmul_params,
     train_step_flops,
 )
+from tests.support.tiny_models import TINY_CONFIG
 
-CFG = Qwen3Config(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=4)
+CFG = TINY_CONFIG.replace(vocab_size=100, hidden_size=8, intermediate_size=16, head_dim=4)
 
 
 def test_attention_pairs():
@@ -23,7 +22,7 @@ def test_forward_flops_by_hand():
     d, f, n, k, h, v, layers = 8, 16, 4, 2, 4, 100, 2
     weights = layers * (d * h * (2 * n + 2 * k) + 3 * d * f) + d * v   # untied head is a matmul, the embedding not
     assert matmul_params(CFG) == weights
-    tied = Qwen3Config(**{**CFG.__dict__, "tie_word_embeddings": True})
+    tied = CFG.replace(tie_word_embeddings=True)
     assert matmul_params(tied) == weights  # the tied head is the embedding table, used once as a matmul
     t, b = 6, 3
     attn = 4 * layers * n * h * (t * (t + 1) / 2)

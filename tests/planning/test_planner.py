@@ -8,7 +8,6 @@ import pytest
 
 from muajax import parallel
 from muajax.config.schema import SFTConfig
-from muajax.models.qwen3 import Qwen3Config
 from muajax.chips import get_chip
 from muajax.planning.topology import libtpu_available
 
@@ -19,11 +18,11 @@ from muajax.planning.planner import PlanSettings, plan_run  # noqa: E402
 from muajax.planning.programs import EngineSettings, padded_batch  # noqa: E402
 from muajax.planning.topology import parse_topology, tpu_devices  # noqa: E402
 from muajax.rl.grpo import GRPOConfig  # noqa: E402
+from tests.support.tiny_models import TINY_CONFIG  # noqa: E402
 
 # head_dim 128: the engine takes the Pallas paged-attention path on TPU, as at scale; every
 # sharded dim divides by 4 (fsdp=4) and the 2 kv heads by tensor=2.
-TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=128, max_position_embeddings=512, param_dtype="float32", dtype="bfloat16", remat="full")
+TINY = TINY_CONFIG.replace(head_dim=128, max_position_embeddings=512, dtype="bfloat16", remat="full")
 MESHES = {"data4": {"data": 4, "fsdp": 1, "tensor": 1}, "fsdp4": {"data": 1, "fsdp": 4, "tensor": 1},
           "fsdp2_tensor2": {"data": 1, "fsdp": 2, "tensor": 2}}
 SETTINGS = PlanSettings(batch=8, seq=128, grpo=GRPOConfig(microbatch_size=4),

@@ -6,18 +6,17 @@ import os
 import pytest
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config
 from muajax.chips import get_chip
 from muajax.planning.planner import PlanSettings
 from muajax.planning.sweep import lower_bound, mesh_candidates, run_sweep
 from muajax.planning.topology import libtpu_available, parse_topology, tpu_devices
 from muajax.rl.grpo import GRPOConfig
+from tests.support.tiny_models import TINY_CONFIG
 
 NEEDS_LIBTPU = pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
                                   'pip install -e ".[tpu]" to run the TPU planning tests')
 
-TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                   head_dim=16, max_position_embeddings=512, param_dtype="float32", dtype="bfloat16", remat="full")
+TINY = TINY_CONFIG.replace(max_position_embeddings=512, dtype="bfloat16", remat="full")
 
 
 def test_mesh_candidates_cover_every_factorization():

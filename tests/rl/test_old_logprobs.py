@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config, forward, init_params
+from muajax.models.qwen3 import forward, init_params
 from muajax.rl.grpo import GRPOConfig, make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import make_optimizer
+from tests.support.tiny_models import ONE_LAYER_CONFIG
 
-CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=16, rope_theta=10000.0)
+CFG = ONE_LAYER_CONFIG.replace(rope_theta=10000.0)
 B, T = 4, 16
 
 

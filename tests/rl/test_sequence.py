@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
 from muajax.rl.sequence import chunk_count, sequence_logprobs
+from tests.support.tiny_models import ONE_LAYER_CONFIG
 
-CFG = Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                  head_dim=16, attention="xla")
+CFG = ONE_LAYER_CONFIG.replace(vocab_size=512, attention="xla")
 
 
 def test_chunk_count_divides_the_length_when_it_can():

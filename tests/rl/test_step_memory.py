@@ -6,13 +6,12 @@ import jax.numpy as jnp
 import pytest
 
 from muajax import parallel
-from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.grpo import GRPOConfig, make_grpo_step
 from muajax.rl.optim import make_optimizer
 from muajax.rl.step import model_abstract_params
+from tests.support.tiny_models import TINY_CONFIG
 
-CFG = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=32, remat="full")
+CFG = TINY_CONFIG.replace(vocab_size=1024, head_dim=32, remat="full")
 
 
 def step_temporaries(attention: str, length: int) -> int:

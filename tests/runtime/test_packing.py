@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muajax.models.qwen3 import Qwen3Config, init_params
+from muajax.models.qwen3 import init_params
 from muajax.rl.sft import sft_loss_fn
 from muajax.runtime.host_batch import sft_batch
 from muajax.runtime.packing import pack, packed_batch, plan_packing
+from tests.support.tiny_models import TINY_CONFIG
 
 PAD = 0
 
@@ -64,8 +65,7 @@ def test_plan_packs_every_step_into_the_most_rows_any_needs():
 
 @pytest.mark.parametrize("attention", ["xla", "chunked"])
 def test_packed_rows_give_the_loss_and_gradient_of_unpacked_ones(attention):
-    cfg = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, attention=attention)
+    cfg = TINY_CONFIG.replace(vocab_size=61, hidden_size=32, intermediate_size=64, attention=attention)
     params = init_params(cfg, jax.random.key(3))
     examples = conversations([40, 17, 33, 25, 9])
     bins = pack([len(ids) for ids, _ in examples], 64)

@@ -7,18 +7,16 @@ import pytest
 
 from muajax import parallel
 from muajax.agent.rollout_config import RolloutMeshConfig
-from muajax.models.qwen3 import Qwen3Config
 from muajax.planning.programs import engine_copy, host_devices
 from muajax.planning.topology import libtpu_available, parse_topology, tpu_devices
 from muajax.rl.step import model_abstract_params
 from muajax.runtime.rollout_engine import copies_params, engine_mesh
+from tests.support.tiny_models import TINY_CONFIG
 
 needs_libtpu = pytest.mark.skipif(not libtpu_available(), reason="libtpu (TPU topology devices) is not installed: "
                                   'pip install -e ".[tpu]"')
 
-CFG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8,
-                  head_dim=16, max_position_embeddings=512, param_dtype="float32", dtype="bfloat16",
-                  logits_fp32=True, tie_word_embeddings=False)
+CFG = TINY_CONFIG.replace(num_heads=8, num_kv_heads=8, max_position_embeddings=512, dtype="bfloat16", logits_fp32=True)
 
 
 def shape(mesh) -> dict[str, int]:
@@ -31,7 +29,7 @@ def test_default_engine_mesh_on_a_tpu_host_is_tensor_parallel_over_the_kv_heads(
     train = parallel.make_mesh(1, -1, 1, devices=devices)
     mesh = engine_mesh(None, train, CFG, devices=devices, multiprocess=False)
     assert shape(mesh) == {"data": 1, "fsdp": 1, "tensor": 4, "sequence": 1}
-    two_heads = Qwen3Config(**{**CFG.__dict__, "num_kv_heads": 2})
+    two_heads = CFG.replace(num_kv_heads=2)
     mesh = engine_mesh(None, train, two_heads, devices=devices, multiprocess=False)
     assert shape(mesh) == {"data": 2, "fsdp": 1, "tensor": 2, "sequence": 1}  # data parallel over the rest
     # rollout.mesh: any layout of the host's devices (-1: the rest), never a sequence axis
@@ -49,7 +47,7 @@ def test_each_host_has_its_own_engine_on_its_own_chips():
     train = parallel.make_mesh(1, -1, 1, devices=devices)
     mesh = engine_mesh(None, train, CFG, devices=first, multiprocess=True)
     assert set(mesh.devices.flat) == set(first) and shape(mesh)["tensor"] == 4
-    assert copies_params(Qwen3Config(**{**CFG.__dict__, "dtype": "float32"}), mesh, train, True)  # a replica per host
+    assert copies_params(CFG.replace(dtype="float32"), mesh, train, True)  # a replica per host
 
 
 @needs_libtpu
@@ -67,7 +65,7 @@ def test_the_engine_copy_is_in_the_compute_dtype_but_the_fp32_head():
 
 def test_a_float32_run_on_its_own_mesh_reads_the_live_params():
     train = parallel.make_mesh(1, -1, 1)
-    f32 = Qwen3Config(**{**CFG.__dict__, "dtype": "float32"})
+    f32 = CFG.replace(dtype="float32")
     mesh = engine_mesh(None, train, f32, devices=list(train.devices.flat), multiprocess=False)
     assert mesh is train and not copies_params(f32, mesh, train, False)
     assert copies_params(CFG, mesh, train, False)  # bfloat16 compute: a half-width copy
