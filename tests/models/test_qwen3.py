@@ -7,7 +7,7 @@ import torch
 
 from muajax.models.hf import load_config, load_params
 from muajax.models.qwen3 import Qwen3Config, forward_jit as forward, init_cache
-from tests.support.tiny_models import load_hf_model, make_hf_checkpoint
+from tests.support.tiny_models import TINY_CONFIG, load_hf_model, make_hf_checkpoint
 
 VARIANTS = {
     "untied_kv2": dict(),
@@ -169,8 +169,7 @@ def test_dots_remat_keeps_the_chunked_attention_output_instead_of_rerunning_it()
 
     from muajax.models.qwen3 import forward as plain_forward, init_params
 
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, attention="chunked")
+    cfg = TINY_CONFIG.replace(vocab_size=64, hidden_size=32, intermediate_size=64, attention="chunked")
     params = init_params(cfg, jax.random.key(0))
     tokens = jnp.zeros((3, 24), jnp.int32)
     lse_shape = (2, 3, 2, 2 * 24)
