@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from muajax.models.tokenizer import load_tokenizer
+from tests.support.tiny_models import arch_override
 
-ARCH = ("model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-        " head_dim: 16, max_position_embeddings: 2048, tie_word_embeddings: %s}")
 DOMAIN_TEXTS = ["<|im_start|>user\nHello! Your order #o113 is cancelled.<|im_end|>\n<|im_start|>assistant\n",
                 "<tool_call>\n{\"name\": \"get_order\"}\n</tool_call>"]
 
@@ -31,7 +30,7 @@ def make_run_dir(root, *, domain_vocab: bool, tied: bool = True, steps=(3,), see
     from muajax.rl.step import TrainState
     from muajax.runtime.build import model_and_tokenizer
 
-    cfg = load_config(None, [f"run.out_dir={root}", "run.name=run", ARCH % ("true" if tied else "false"),
+    cfg = load_config(None, [f"run.out_dir={root}", "run.name=run", arch_override(tie_word_embeddings=tied),
                              f"model.vocab={'domain' if domain_vocab else 'full'}", "rollout.max_context=2048",
                              "rollout.max_new_tokens_per_turn=64"])
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -77,7 +76,7 @@ def domain_run(tmp_path_factory):
     return make_run_dir(tmp_path_factory.mktemp("domain"), domain_vocab=True, steps=(2, 3))
 
 
-def test_domain_vocab_run_exports_expanded_and_matches_transformers(tmp_path, domain_run):
+def test_domain_vocab_run_exports_expanded_and_matches_transformers(tmp_path, domain_run, tokenizer):
     import transformers
 
     from muajax.export import QWEN3_VOCAB_SIZE, main
@@ -94,7 +93,7 @@ def test_domain_vocab_run_exports_expanded_and_matches_transformers(tmp_path, do
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "<|im_start|>user\nHello! Your order #o113<|im_end|>\n<|im_start|>assistant\n"
     qwen_ids = hf_tok.encode(text, add_special_tokens=False)
-    assert qwen_ids == load_tokenizer().encode(text, add_special_tokens=False)
+    assert qwen_ids == tokenizer.encode(text, add_special_tokens=False)
     assert hf_tok.chat_template and "<|im_start|>" in hf_tok.chat_template
     compact = tok.encode(text)
     assert tok.vocab.to_qwen(compact) == qwen_ids  # every id of the text is in the domain

@@ -29,8 +29,8 @@ sys.exit(parity.main(sys.argv[1:]))
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(str(tmp_path_factory.mktemp("parity")), seed=4)
+def checkpoint(hf_checkpoint):
+    return hf_checkpoint(seed=4)
 
 
 def run_cli(args, code=None):
@@ -91,14 +91,12 @@ def test_bad_directories_exit_2_with_a_clear_error(tmp_path):
 # ----------------------------------------------------------------------------- in-process pieces
 
 
-def test_prompt_sources_fall_back_in_order(tmp_path):
-    from muajax.models.tokenizer import load_tokenizer
-
+def test_prompt_sources_fall_back_in_order(tmp_path, tokenizer):
     prompts, source = parity.make_prompts(str(tmp_path), 151936, batch=5, seed=0, max_len=24)
     assert source.startswith("bundled Qwen3 tokenizer") and "checkpoint has no tokenizer" in source
     assert len(prompts) == 5 and len({len(p) for p in prompts}) > 1
 
-    load_tokenizer().save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
     _, source = parity.make_prompts(str(tmp_path), 151936, batch=2, seed=0, max_len=24)
     assert source == "checkpoint tokenizer"
 

@@ -17,7 +17,6 @@ from muajax.models.tokenizer import (
     IM_START_ID,
     bundled_tokenizer_dir,
     strip_control_tokens,
-    load_tokenizer,
 )
 
 POLICY = "You are a retail agent. Politique: remboursement sous 30 jours — 日本語も可."
@@ -37,8 +36,8 @@ TOOLS = GENERAL_TOOL_SCHEMAS + [EXTRA_TOOL]
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
+def tok(tokenizer):
+    return tokenizer
 
 
 @pytest.fixture(scope="module")

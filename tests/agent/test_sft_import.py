@@ -10,7 +10,7 @@ from muajax import synth
 from muajax.agent.chat import (after_assistant_ids, generation_prompt_ids, system_prompt_ids, tool_response_ids,
                                user_turn_ids)
 from muajax.agent.sft_import import SftImportError, import_conversations
-from muajax.models.tokenizer import IM_END_ID, load_tokenizer
+from muajax.models.tokenizer import IM_END_ID
 from muajax.train.sft import read_examples
 
 TOOLS = [{"type": "function", "function": {"name": "get_order", "description": "Look an order up.",
@@ -37,8 +37,8 @@ def write_lines(path, *lines) -> str:
     return str(path)
 
 
-def test_imported_conversations_train_with_the_rollout_s_mask(tmp_path):
-    tok = load_tokenizer()
+def test_imported_conversations_train_with_the_rollout_s_mask(tmp_path, tokenizer):
+    tok = tokenizer
     src = write_lines(tmp_path / "released.jsonl", CONVERSATION, "", {**CONVERSATION, "id": None})
     summary = import_conversations(src, str(tmp_path / "sft.jsonl"), tok)
     assert summary["imported"] == 2
@@ -81,10 +81,10 @@ def test_imported_conversations_train_with_the_rollout_s_mask(tmp_path):
     ({"messages": [{"role": "assistant", "content": "ok"}], "tools": [{"parameters": {}}]}, "tools[0] needs a name"),
     ({"messages": [{"role": "assistant", "content": "fake <|im_end|> turn"}]}, "chat control token <|im_end|>"),
 ])
-def test_a_bad_line_stops_the_import_naming_it(tmp_path, line, message):
+def test_a_bad_line_stops_the_import_naming_it(tmp_path, line, message, tokenizer):
     src = write_lines(tmp_path / "in.jsonl", CONVERSATION, line)
     with pytest.raises(SftImportError) as info:
-        import_conversations(src, str(tmp_path / "out.jsonl"), load_tokenizer())
+        import_conversations(src, str(tmp_path / "out.jsonl"), tokenizer)
     assert str(info.value).startswith(f"{src}:2: ") and message in str(info.value), str(info.value)
     assert not (tmp_path / "out.jsonl").exists()  # nothing written
 

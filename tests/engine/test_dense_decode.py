@@ -7,12 +7,11 @@ import pytest
 from muajax.engine import dense_decode
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.models.hf import load_params
-from tests.support.tiny_models import make_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_params(make_hf_checkpoint(str(tmp_path_factory.mktemp("dense-decode")), seed=5))
+def model(hf_checkpoint):
+    return load_params(hf_checkpoint(seed=5))
 
 
 def converse(params, cfg, slots: int, prompt, turn, temperature):

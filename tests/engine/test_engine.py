@@ -10,16 +10,15 @@ from muajax.engine.engine import Engine, SamplingParams
 from muajax.engine.sampling import sample_tokens
 from muajax.models.hf import load_params
 from muajax.models.qwen3 import forward_jit
-from tests.support.tiny_models import load_hf_model, make_hf_checkpoint
+from tests.support.tiny_models import load_hf_model
 
 STOP = 7
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_hf_checkpoint(str(tmp_path_factory.mktemp("engine")), seed=11)
-    params, cfg = load_params(path)
-    return path, params, cfg
+def model(tiny_hf_dir):
+    params, cfg = load_params(tiny_hf_dir)
+    return tiny_hf_dir, params, cfg
 
 
 def prompts(seed, lengths):

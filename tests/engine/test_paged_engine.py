@@ -6,14 +6,13 @@ import pytest
 
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.models.hf import load_params
-from tests.support.tiny_models import make_hf_checkpoint
 
 STOP = 7
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    params, cfg = load_params(make_hf_checkpoint(str(tmp_path_factory.mktemp("paged")), seed=11))
+def model(tiny_hf_dir):
+    params, cfg = load_params(tiny_hf_dir)
     return params, cfg
 
 

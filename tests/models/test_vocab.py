@@ -7,7 +7,6 @@ from muajax.agent.assistant_format import parse_assistant
 from muajax.agent.chat import render_messages_ids
 from muajax.domains.builtin import BuiltinEnvironment
 from muajax.domains.builtin.expert import expert_conversation
-from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import UNK_TEXT, DomainTokenizer, DomainVocab
 from muajax.runtime.build import domain_ids
 
@@ -18,9 +17,8 @@ def env():
 
 
 @pytest.fixture(scope="module")
-def tok(env):
-    base = load_tokenizer()
-    return DomainTokenizer(base, DomainVocab.from_texts(base, (), extra_ids=domain_ids(env, base)))
+def tok(env, tokenizer):
+    return DomainTokenizer(tokenizer, DomainVocab.from_texts(tokenizer, (), extra_ids=domain_ids(env, tokenizer)))
 
 
 def test_expert_conversations_render_without_unknown_ids(env, tok):

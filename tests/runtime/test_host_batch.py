@@ -7,12 +7,12 @@ import pytest
 from muajax.agent.chat import render_messages_ids, system_prompt_ids
 from muajax.domains.builtin import BuiltinEnvironment
 from muajax.domains.builtin.expert import expert_conversation
-from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID, load_tokenizer
+from muajax.models.tokenizer import IM_END_ID, IM_START_ID, PAD_ID
 from muajax.runtime.host_batch import sft_batch
 
 
-def test_sft_loss_mask_covers_exactly_the_assistant_tokens():
-    tok = load_tokenizer()
+def test_sft_loss_mask_covers_exactly_the_assistant_tokens(tokenizer):
+    tok = tokenizer
     env = BuiltinEnvironment()
     task = env.tasks("train")[1]
     messages, _ = expert_conversation(env, task, careless=0.0, seed=0)

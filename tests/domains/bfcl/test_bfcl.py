@@ -231,15 +231,15 @@ def test_more_steps_than_bfcl_allows_in_a_turn_force_quit(base):
     session.close()
 
 
-def test_gold_replay_through_the_rollout_conversation(base):
+def test_gold_replay_through_the_rollout_conversation(base, tokenizer):
     """The same routing a real rollout uses: parsed <tool_call> texts go to the session,
     plain text to the BFCL user, and the finished trajectory is scored by BFCL."""
-    from muajax.models.tokenizer import IM_END_ID, load_tokenizer
+    from muajax.models.tokenizer import IM_END_ID
     from muajax.agent.calls import execute_tools, tool_schemas
     from muajax.agent.conversation import Conversation
     from muajax.agent.rollout_config import RolloutConfig
 
-    tok = load_tokenizer()
+    tok = tokenizer
     for task_id in ("multi_turn_base_1", "multi_turn_base_7"):
         task = _task(base, task_id)
         session = base.reset(task)
