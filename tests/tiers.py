@@ -1,0 +1,110 @@
+"""The slow tier: the tests that `python -m pytest -q` leaves out (`-m slow` runs them).
+
+Each expensive family keeps one representative in the default tier, named in its
+comment; the rest of the family is here. An entry is a test's node id, or a prefix of it
+that ends at a file, a test or a parametrization. Seconds are each test's time in a full
+run (`pytest --durations=0`) on the 2-core CPU box, 2026-11-27, with other jobs beside it:
+what a test costs, not a benchmark. tests/conftest.py refuses an entry that names no test.
+"""
+from __future__ import annotations
+
+SLOW = {
+    # --- whole runs of `python -m muajax.train` (subprocesses). Default tier: the short GRPO
+    # run that must raise reward (tests/train/test_train.py::test_short_grpo_run_raises_reward_...)
+    # and one kill -9 resume (the SFT one, [sft-config1-6]).
+    "tests/train/test_train.py::test_kill9_then_resume_equals_an_uninterrupted_run[grpo-config0-4]": 67,
+    "tests/train/test_determinism.py": 107,
+    "tests/train/test_grpo.py::test_ppo_epochs_make_several_updates_per_step": 85,
+    "tests/train/test_grpo.py::test_recomputed_old_logprobs_in_the_grpo_stage": 71,
+    "tests/train/test_grpo.py::test_a_run_whose_steps_keep_going_non_finite_stops_after_saving": 42,
+    "tests/train/test_grpo.py::test_one_mini_batch_of_the_whole_batch_is_the_paper_s_update": 30,
+    "tests/train/test_resume.py::test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one": 57,
+    "tests/train/test_failed_rollouts.py::test_a_user_endpoint_down_for_the_whole_run_stops_training": 37,
+    "tests/train/test_failed_rollouts.py::test_a_grpo_step_trains_on_the_rollouts_that_did_not_fail": 37,
+    "tests/train/test_mcp_grpo.py": 52,
+    "tests/train/test_secrets_in_a_run.py::test_the_api_key_reaches_no_file_of_the_run_and_no_output": 47,
+    "tests/train/test_step_metrics.py::test_an_sft_and_grpo_run_logs_throughput_and_writes_its_traces": 42,
+    "tests/train/test_compilation.py": 24,
+    "tests/train/test_pretraining.py::test_domain_warmup_learns_its_windows_is_seeded_and_needs_the_builtin_domain": 24,
+    "tests/train/test_pretraining.py::test_copy_warmup_teaches_copying_and_is_seeded": 10,
+    "tests/test_ablation.py::test_one_seed_end_to_end": 61,
+    "tests/test_pretrain.py::test_pretrain_continues_from_a_base_with_the_system_prompt": 33,
+    "tests/test_pretrain.py::test_pretrain_writes_an_hf_base_with_its_vocabulary_and_record": 13,
+    # --- multi-host: two jax processes. Default tier: test_distributed_helpers_across_two_processes.
+    "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch": 84,
+    # --- end to end on τ2 (synthetic data, SFT, GRPO, evaluation) and τ2's own protocol.
+    # Default tier: τ2's unit tests (its tools, splits and scoring); the end-to-end
+    # representative is the short GRPO run above.
+    "tests/test_smoke_tau2.py": 80,
+    "tests/serving/test_tau2_protocol.py::test_an_agent_whose_replies_tau2_refuses_scores_zero_and_a_dead_user_stops": 55,
+    "tests/serving/test_tau2_protocol.py::test_tau2_protocol_on_airline_tasks_with_an_http_user": 37,
+    "tests/serving/test_serve.py::test_tau2_cli_completes_a_run_against_the_server": 23,
+    "tests/test_eval_cli.py::test_muajax_protocol_reports_each_tau2_domain_and_the_twin_free_score": 26,
+    "tests/domains/tau2/test_tau2.py::test_gold_replay_scores_one[airline]": 20,
+    "tests/domains/tau2/test_tau2.py::test_gold_replay_scores_one[retail]": 17,
+    # --- the planner on the TPU compiler. Default tier: tests/planning/test_planner.py (one set
+    # of TPU compiles, shared by its tests) and the plan command's cheap checks.
+    "tests/planning/test_sweep.py::test_a_stopped_sweep_resumes_where_it_was": 104,
+    "tests/planning/test_sweep.py::test_other_remats_are_tried_on_the_fastest_meshes_only": 83,
+    "tests/planning/test_sweep.py::test_sweep_ranks_prunes_and_writes": 52,
+    "tests/test_plan.py::test_plan_a_run_config_as_the_trainer_runs_it": 20,
+    "tests/test_plan.py::test_the_configs_engine_pool_is_planned": 19,
+    "tests/test_plan.py::test_too_big_exits_1": 18,
+    "tests/test_plan.py::test_plan_on_a_v5p_slice": 13,
+    "tests/test_plan.py::test_a_config_too_big_for_its_chip_exits_1": 12,
+    "tests/test_plan.py::test_fake_cpu_mesh_reexecs_and_judges_against_a_chip": 9,
+    "tests/test_plan.py::test_flag_defaults_take_the_least_memory_a_step_can": 7,
+    "tests/engine/test_programs.py::test_pallas_programs_compile_for_a_tpu_topology": 10,
+    "tests/rl/test_step_memory.py": 43,
+    # --- the engine's fixed rows, sharded pool and Pallas kernel. Default tier: fixed rows'
+    # warm-up [2] and release, one collective check [2,2,2], the kernel against pure JAX [mixed].
+    "tests/engine/test_fixed_rows.py::test_with_fixed_rows_a_conversation_is_bitwise_the_same_whatever_shares_its_calls": 34,
+    "tests/engine/test_fixed_rows.py::test_bucketed_calls_round_differently_with_other_rows": 19,
+    "tests/engine/test_fixed_rows.py::test_warmup_compiles_every_program_conversations_then_use[None]": 10,
+    "tests/engine/test_programs.py::test_sharded_pool_generates_what_one_device_does": 25,
+    "tests/engine/test_programs.py::test_no_collective_grows_with_the_cache[8,1,1]": 6,
+    "tests/engine/test_programs.py::test_no_collective_grows_with_the_cache[1,8,1]": 6,
+    "tests/engine/test_programs.py::test_no_collective_grows_with_the_cache[1,2,4]": 5,
+    "tests/engine/test_paged_attention.py::test_engine_on_the_pallas_kernel_equals_the_pure_jax_engine": 14,
+    "tests/engine/test_paged_attention.py::test_pure_jax_paged_attention_equals_the_pallas_kernel[decode]": 6,
+    "tests/engine/test_paged_attention.py::test_pure_jax_paged_attention_equals_the_pallas_kernel[prefill]": 5,
+    "tests/engine/test_paged_attention.py::test_pure_jax_paged_attention_equals_the_pallas_kernel[padded rows]": 3,
+    "tests/engine/test_dense_decode.py::test_the_tail_and_in_place_writes_agree[0.0-True]": 5,
+    "tests/engine/test_dense_decode.py::test_the_tail_and_in_place_writes_agree[1.0-False]": 4,
+    # --- the model on 8 devices over the sequence axis. Default tier: the 8-device step
+    # scenarios of tests/rl/test_step.py (sharded equals one device).
+    "tests/models/test_context_parallel.py": 39,
+    # --- the model's cache forms, each over five shapes. Default tier: [headdim_unlike].
+    "tests/models/test_qwen3.py::test_cached_extend_and_decode_equal_full_forward[tied]": 7,
+    "tests/models/test_qwen3.py::test_cached_extend_and_decode_equal_full_forward[kv_ratio1]": 7,
+    "tests/models/test_qwen3.py::test_cached_extend_and_decode_equal_full_forward[kv_ratio4]": 5,
+    "tests/models/test_qwen3.py::test_cached_extend_and_decode_equal_full_forward[untied_kv2]": 5,
+    "tests/models/test_qwen3.py::test_unrolled_per_layer_cache_equals_stacked[tied]": 4,
+    "tests/models/test_qwen3.py::test_unrolled_per_layer_cache_equals_stacked[kv_ratio1]": 4,
+    "tests/models/test_qwen3.py::test_unrolled_per_layer_cache_equals_stacked[kv_ratio4]": 5,
+    "tests/models/test_qwen3.py::test_unrolled_per_layer_cache_equals_stacked[untied_kv2]": 4,
+    "tests/models/test_qwen3.py::test_in_place_cache_equals_per_layer_slices[tied]": 4,
+    "tests/models/test_qwen3.py::test_in_place_cache_equals_per_layer_slices[kv_ratio1]": 4,
+    "tests/models/test_qwen3.py::test_in_place_cache_equals_per_layer_slices[kv_ratio4]": 4,
+    "tests/models/test_qwen3.py::test_in_place_cache_equals_per_layer_slices[untied_kv2]": 4,
+    # --- the commands that load a checkpoint in a subprocess. Default tier: eval on the
+    # built-in domain, export in full vocabulary, parity's argument and comparison checks.
+    "tests/test_parity_cli.py::test_one_corrupted_muajax_weight_exits_1": 27,
+    "tests/test_parity_cli.py::test_tiny_checkpoint_passes_logits_and_greedy_tokens": 22,
+    "tests/test_parity_cli.py::test_splash_attention_on_long_prompts_passes": 17,
+    "tests/test_export.py::test_domain_vocab_run_exports_expanded_and_matches_transformers": 15,
+    # --- the server under load. Default tier: its protocol, streaming, keys and 4xx tests.
+    "tests/serving/test_serve.py::test_many_concurrent_requests_are_batched_continuously": 27,
+    "tests/serving/test_app.py::test_good_requests_come_out_as_alone_while_bad_ones_get_4xx": 24,
+    # --- benches in their quick form. Default tier: bench forward --quick and the CLI's errors.
+    "tests/bench/test_engine_benches.py::test_rollout_quick_prefills_the_shared_system_prompt_once": 15,
+    "tests/bench/test_engine_benches.py::test_generate_max_len_compares_with_a_short_max_len": 8,
+    "tests/bench/test_engine_benches.py::test_multiturn_quick": 8,
+    "tests/bench/test_engine_benches.py::test_generate_quick": 8,
+    "tests/bench/test_bench_cli.py::test_train_quick_times_muajax_beside_torch_and_another_attention": 13,
+    # --- one of two forms of the same equality. Default tier: the other form.
+    "tests/runtime/test_packing.py::test_packed_rows_give_the_loss_and_gradient_of_unpacked_ones[xla]": 12,
+    "tests/rl/test_old_logprobs.py::test_recomputed_old_logprobs_make_the_first_ratio_exactly_one": 23,
+    "tests/rl/test_old_logprobs.py::test_the_mini_batch_forward_gives_the_trainer_s_logprobs[2]": 8,
+    "tests/rl/test_sequence.py::test_chunked_logits_equal_the_whole_head[padded]": 5,
+}
