@@ -6,10 +6,9 @@ import pytest
 
 from muajax import ablation
 from muajax.ablation import draw, summarize, table
+from tests.support.tiny_models import arch_override
 
-TINY = ["model.hf_dir=null", "model.vocab=domain",
-        "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-        " head_dim: 16, max_position_embeddings: 2048}",
+TINY = ["model.hf_dir=null", "model.vocab=domain", arch_override(),
         "env.builtin_users=12", "env.builtin_test_users=2", "env.builtin_train_tasks=8", "env.builtin_test_tasks=3",
         "sft.steps=2", "sft.batch_size=4", "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_turns=3",
         "rollout.max_new_tokens_per_turn=8", "rollout.max_context=1536", "grpo.steps=1", "grpo.microbatch_size=null",

@@ -16,10 +16,9 @@ from muajax.runtime import build
 from muajax.config.schema import ConfigError, load_config
 from muajax.models.vocab import DOMAIN_VOCAB_FILE, DomainTokenizer
 from muajax.runtime.policy import load_policy
-from tests.support.tiny_models import make_hf_checkpoint
+from tests.support.tiny_models import arch_override
 
-SMALL = ["model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1,"
-         " head_dim: 16, max_position_embeddings: 2048}",
+SMALL = [arch_override(num_layers=2),
          "env.builtin_users=12", "env.builtin_test_users=2", "env.builtin_train_tasks=20", "env.builtin_test_tasks=4",
          "sft.domain_warmup_steps=6", "sft.domain_warmup_shops=1", "sft.domain_warmup_batch_size=8",
          "sft.learning_rate=1e-2", "metrics.progress_bar=false"]
@@ -51,7 +50,7 @@ def test_pretrain_writes_an_hf_base_with_its_vocabulary_and_record(base):
     assert policy.tokenizer.vocab.unk_id not in ids and policy.tokenizer.decode(ids) == "Hi. Please cancel my order #o123."
 
 
-def test_a_run_loads_the_base_and_refuses_what_does_not_fit(base, tmp_path, capsys):
+def test_a_run_loads_the_base_and_refuses_what_does_not_fit(base, tmp_path, capsys, tiny_hf_dir):
     base, _, _ = base
     run = ["model.arch=null", f"model.hf_dir={base}", "model.vocab=domain", f"run.out_dir={tmp_path}",
            *[o for o in SMALL if not o.startswith("model.arch")]]
@@ -70,7 +69,7 @@ def test_a_run_loads_the_base_and_refuses_what_does_not_fit(base, tmp_path, caps
 
     assert train.main([*run, "model.vocab=full"]) == 2  # the CLI says so and stops, before anything compiles
     assert "config error: model.vocab:" in capsys.readouterr().err
-    plain = load_config(None, [*run, f"model.hf_dir={make_hf_checkpoint(str(tmp_path / 'hf'))}"])
+    plain = load_config(None, [*run, f"model.hf_dir={tiny_hf_dir}"])
     with pytest.raises(ConfigError, match="model.vocab: .* has no domain_vocab.json"):
         build.model_and_tokenizer(plain, None, plain.run_dir)
 

@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 
 from muajax.agent.chat import generation_prompt_ids, render_messages_ids
 from muajax.models.tokenizer import IM_END_ID, load_tokenizer
+from tests.support.tiny_models import ONE_LAYER_CONFIG
 
 MODEL = "tiny-agent"
 CHAIN_TEXT = 'Sure.<tool_call>{"name":"calculate","arguments":{"expression": "2+3"}}</tool_call>'
@@ -58,14 +59,12 @@ def make_chain_model(path, *, max_position_embeddings: int = 4096, text: str = C
     import jax
 
     from muajax.models.hf import save_hf
-    from muajax.models.qwen3 import Qwen3Config, init_params
+    from muajax.models.qwen3 import init_params
 
     tok = load_tokenizer()
     chain = generation_prompt_ids(tok)[-1:] + tok.encode(text, add_special_tokens=False) + [IM_END_ID]
     assert len(set(chain)) == len(chain) <= HIDDEN
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=HIDDEN, intermediate_size=64, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=16, max_position_embeddings=max_position_embeddings,
-                      tie_word_embeddings=False)
+    cfg = ONE_LAYER_CONFIG.replace(vocab_size=151936, hidden_size=HIDDEN, max_position_embeddings=max_position_embeddings)
     params = jax.tree.map(np.array, init_params(cfg, jax.random.key(0)))
     params["layers"]["wo"][:] = 0
     params["layers"]["w_down"][:] = 0
@@ -109,9 +108,9 @@ def chat(client, messages, **kwargs):
 USER = [{"role": "system", "content": "You are a shop assistant."}, {"role": "user", "content": "What is 2+3?"}]
 
 
-def test_chat_tool_calls_and_usage_through_the_openai_client(server, client):
+def test_chat_tool_calls_and_usage_through_the_openai_client(server, client, tokenizer):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    tok = load_tokenizer()
+    tok = tokenizer
 
     r = chat(client, USER, tools=[CALCULATE], temperature=0)
     choice = r.choices[0]
@@ -156,7 +155,7 @@ def test_seed_and_temperature_are_honored(client):
     assert first != CHAIN_TEXT  # at temperature 1 the chain is a ~10%-per-token path
 
 
-def test_streaming_sends_content_then_tool_calls(client):
+def test_streaming_sends_content_then_tool_calls(client, tokenizer):
     stream = chat(client, USER, tools=[CALCULATE], temperature=0, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     with_choices = [c for c in chunks if c.choices]
@@ -166,7 +165,7 @@ def test_streaming_sends_content_then_tool_calls(client):
     assert len(calls) == 1 and calls[0].function.name == "calculate" and calls[0].index == 0
     assert json.loads(calls[0].function.arguments) == {"expression": "2+3"}
     assert with_choices[-1].choices[0].finish_reason == "tool_calls"
-    assert chunks[-1].usage.completion_tokens == len(load_tokenizer().encode(CHAIN_TEXT)) + 1
+    assert chunks[-1].usage.completion_tokens == len(tokenizer.encode(CHAIN_TEXT)) + 1
 
     text = "".join(c.choices[0].delta.content or "" for c in chat(client, USER, temperature=0, stream=True)
                    if c.choices)

@@ -12,6 +12,7 @@ from muajax.agent.trajectory import USER_ERROR, USER_STOP, Trajectory, rollout_m
 from muajax.domains.base import UserSession, UserSimulator, UserTurn
 from muajax.rl.advantages import group_advantages
 from muajax.runtime.host_batch import PAD_GROUP, collate, mask_failed
+from tests.support.tiny_models import arch_override
 from tests.train.test_grpo import one_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,8 +94,7 @@ def free_port() -> int:
 def test_a_user_endpoint_down_for_the_whole_run_stops_training(tmp_path):
     args = ["run.stages=[grpo]", f"run.out_dir={tmp_path}", "run.name=down", "env.builtin_users=4",
             "env.builtin_test_users=0", "env.builtin_train_tasks=4", "env.builtin_test_tasks=2",
-            "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-            " head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
+            arch_override(), "model.vocab=domain",
             "user.kind=openai", "user.model=m", f"user.base_url=http://127.0.0.1:{free_port()}/v1",
             "user.max_retries=0", "user.timeout_s=5", "rollout.n_per_task=2", "rollout.tasks_per_step=2",
             "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=4", "rollout.max_context=1536", "grpo.steps=3",

@@ -14,6 +14,7 @@ from muajax.config.schema import load_config
 from muajax.train.trainer import Trainer
 from tests.domains.mcp.test_mcp import _processes_with
 from tests.support.openai_server import ScriptedOpenAIServer
+from tests.support.tiny_models import TINY_ARCH
 
 SERVER = '''
 import os
@@ -61,9 +62,7 @@ def test_two_grpo_steps_on_a_stdio_mcp_server_from_a_config(tmp_path, monkeypatc
     with ScriptedOpenAIServer(lambda body: "Thanks, that is all. ###STOP###") as user:
         config = {
             "run": {"name": "mcp", "out_dir": str(tmp_path / "runs"), "stages": ["grpo"]},
-            "model": {"vocab": "domain", "arch": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
-                                                  "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-                                                  "max_position_embeddings": 1024}},
+            "model": {"vocab": "domain", "arch": {**TINY_ARCH, "max_position_embeddings": 1024}},
             "env": {"domain": "mcp", "mcp": {
                 "servers": {"counter": {"command": "{python}", "args": ["counter_server.py"], "cwd": str(tmp_path),
                                         "env_vars": ["COUNTER_START"], "call_timeout": 10}},

@@ -6,21 +6,20 @@ import pytest
 from muajax.agent.chat import render_messages_ids
 from muajax.config.schema import ConfigError, load_config
 from muajax.domains.base import Domain
-from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import DomainTokenizer, DomainVocab
 from muajax.runtime import build
 from muajax.train.context import build_context
 from muajax.train.trainer import params_fingerprint
 from muajax.train.pretraining import copy_warmup, domain_warmup
+from tests.support.tiny_models import arch_override
 from tests.support.toy_domain import SayYesEnvironment, StopUser
 
 
-def test_copy_warmup_teaches_copying_and_is_seeded(tmp_path, capsys):
-    base = load_tokenizer()
-    tok = DomainTokenizer(base, DomainVocab(range(1000, 1200)))
+def test_copy_warmup_teaches_copying_and_is_seeded(tmp_path, capsys, tokenizer):
+    tok = DomainTokenizer(tokenizer, DomainVocab(range(1000, 1200)))
     overrides = [f"run.out_dir={tmp_path}", "model.vocab=domain",
-                 "model.arch={hidden_size: 64, intermediate_size: 128, num_layers: 2, num_heads: 2, num_kv_heads: 1,"
-                 " head_dim: 64, max_position_embeddings: 256}",
+                 arch_override(hidden_size=64, intermediate_size=128, num_layers=2, head_dim=64,
+                               max_position_embeddings=256),
                  "sft.copy_warmup_steps=120", "sft.copy_warmup_length=64", "sft.batch_size=8",
                  "sft.learning_rate=3e-3", "sft.warmup_ratio=0.1", "rollout.max_context=256", "rollout.max_new_tokens_per_turn=16",
                  "metrics.progress_bar=false"]
@@ -38,8 +37,7 @@ def test_copy_warmup_teaches_copying_and_is_seeded(tmp_path, capsys):
 
 def test_domain_warmup_learns_its_windows_is_seeded_and_needs_the_builtin_domain(tmp_path, capsys):
     overrides = [f"run.out_dir={tmp_path}", "run.stages=[sft]", "model.vocab=domain",
-                 "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1,"
-                 " head_dim: 16, max_position_embeddings: 2048}",
+                 arch_override(num_layers=2),
                  "env.builtin_users=12", "env.builtin_test_users=2", "env.builtin_train_tasks=20",
                  "env.builtin_test_tasks=4", "sft.domain_warmup_steps=30", "sft.domain_warmup_shops=1",
                  "sft.domain_warmup_batch_size=16", "sft.learning_rate=1e-2", "sft.warmup_ratio=0.1",

@@ -11,12 +11,12 @@ import uuid
 import pytest
 
 from tests.support.openai_server import ScriptedOpenAIServer
+from tests.support.tiny_models import arch_override
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY_ENV = "MUAJAX_SECRETS_TEST_KEY"
 RUN = ["run.stages=[grpo]", "run.name=secrets", "model.hf_dir=null", "model.vocab=domain",
-       "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-       " head_dim: 16, max_position_embeddings: 2048}", "rollout.n_per_task=2", "rollout.tasks_per_step=1",
+       arch_override(), "rollout.n_per_task=2", "rollout.tasks_per_step=1",
        "rollout.max_turns=2", "rollout.max_new_tokens_per_turn=8", "rollout.max_context=1536", "grpo.steps=1",
        "grpo.microbatch_size=null", "checkpoint.every_steps=1", "eval.max_tasks=1", "eval.trials=1",
        "metrics.progress_bar=false", "metrics.tensorboard=true", "user.kind=openai", "user.model=scripted-user",

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from muajax.config.schema import load_config
-from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import DomainTokenizer, DomainVocab
 from muajax.domains.base import Domain
 from muajax.train.trainer import Trainer
+from tests.support.tiny_models import arch_override
 from tests.support.toy_domain import SayYesEnvironment, StopUser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,16 +47,15 @@ def test_missing_config_file_is_reported():
 
 
 
-def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path, capsys):
-    base = load_tokenizer()
+def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path, capsys, tokenizer):
+    base = tokenizer
     words = [base.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", " maybe", " ok", ".", "!")]
     prompt_ids = base.encode("<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\nSay yes or no.<|im_end|>\n"
                              "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     tok = DomainTokenizer(base, DomainVocab(words + prompt_ids))
     cfg = load_config(None, [
         f"run.out_dir={tmp_path}", "run.stages=[grpo]", "model.vocab=domain",
-        "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1,"
-        " head_dim: 16, max_position_embeddings: 256}",
+        arch_override(max_position_embeddings=256),
         "rollout.n_per_task=8", "rollout.tasks_per_step=4", "rollout.max_new_tokens_per_turn=4",
         "rollout.max_context=128", "rollout.max_turns=2", "grpo.steps=10", "grpo.learning_rate=3e-2",
         "grpo.kl_coef=0", "metrics.progress_bar=false", "metrics.tensorboard=false", "checkpoint.every_steps=100",
@@ -82,8 +81,7 @@ def test_short_grpo_run_raises_reward_on_a_learnable_task(tmp_path, capsys):
 
 
 TINY_RUN = [
-    "run.stages=[grpo]", "model.hf_dir=null", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
-    " num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
+    "run.stages=[grpo]", "model.hf_dir=null", arch_override(), "model.vocab=domain",
     "rollout.n_per_task=2", "rollout.tasks_per_step=2", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
     "rollout.max_context=1536", "grpo.steps=4", "grpo.learning_rate=1e-3", "grpo.microbatch_size=null",
     "checkpoint.every_steps=1",
@@ -96,8 +94,7 @@ def final_summary(stdout):
 
 
 TINY_SFT = [
-    "run.stages=[sft]", "model.hf_dir=null", "model.arch={hidden_size: 32, intermediate_size: 64, num_layers: 1,"
-    " num_heads: 2, num_kv_heads: 1, head_dim: 16, max_position_embeddings: 2048}", "model.vocab=domain",
+    "run.stages=[sft]", "model.hf_dir=null", arch_override(), "model.vocab=domain",
     "sft.steps=6", "sft.batch_size=2", "sft.max_len=1024", "rollout.max_turns=3", "rollout.max_new_tokens_per_turn=12",
     "rollout.max_context=1536", "checkpoint.every_steps=1", "checkpoint.keep=2", "eval.max_tasks=1",
     "metrics.progress_bar=false", "metrics.tensorboard=false", "env.builtin_train_tasks=24", "env.builtin_test_tasks=4",
