@@ -71,6 +71,30 @@ SLOW = {
     "tests/engine/test_paged_attention.py::test_pure_jax_paged_attention_equals_the_pallas_kernel[padded rows]": 3,
     "tests/engine/test_dense_decode.py::test_the_tail_and_in_place_writes_agree[0.0-True]": 5,
     "tests/engine/test_dense_decode.py::test_the_tail_and_in_place_writes_agree[1.0-False]": 4,
+    # --- attention implementations against the einsum reference, over five shapes each.
+    # Default tier: [causal_gqa2_h64] and [packed_gqa4_h64], chunked and splash (interpret mode).
+    "tests/models/test_attention.py::test_implementation_equals_the_einsum_reference[causal_gqa1_h128-chunked]": 2,
+    "tests/models/test_attention.py::test_implementation_equals_the_einsum_reference[causal_gqa1_h128-splash]": 2,
+    "tests/models/test_attention.py::test_implementation_equals_the_einsum_reference[packed_gqa2_h128-chunked]": 2,
+    "tests/models/test_attention.py::test_implementation_equals_the_einsum_reference[packed_gqa2_h128-splash]": 2,
+    "tests/models/test_attention.py::test_implementation_equals_the_einsum_reference[right_padding_gqa4_h64-chunked]": 2,
+    "tests/models/test_attention.py::test_implementation_equals_the_einsum_reference[right_padding_gqa4_h64-splash]": 3,
+    "tests/models/test_attention.py::test_chunked_memory_grows_linearly_and_the_reference_quadratically": 13,
+    "tests/models/test_attention.py::test_splash_under_shard_map_equals_the_reference_on_a_cpu_mesh": 9,
+    # --- the model's other forward forms. Default tier: the chunked implementation's logits and
+    # gradients, packed rows' logits, the in-place cache against per-layer slices.
+    "tests/models/test_qwen3.py::test_shared_prefix_forward_with_chunked_attention_equals_the_full_forward": 8,
+    "tests/models/test_qwen3.py::test_packed_rows_give_the_rl_head_the_unpacked_logprobs": 5,
+    "tests/models/test_qwen3.py::test_attention_implementations_give_the_reference_logits_and_gradients[splash]": 5,
+    "tests/models/test_qwen3.py::test_unrolled_per_layer_cache_equals_stacked[headdim_unlike]": 5,
+    # --- the engine's long scenarios. Default tier: its equality with a full forward and with
+    # transformers' generate, pages coming back, a waiting conversation starting.
+    "tests/engine/test_engine.py::test_sampling_reproducible_whatever_other_slots_do": 9,
+    "tests/engine/test_paged_engine.py::test_small_pool_preempts_and_completes_every_conversation_like_a_big_pool": 12,
+    # --- commands over whole domains. Default tier: synth with the expert and on MCP, BFCL's scoring.
+    "tests/test_synth_cli.py::test_failed_conversations_are_never_kept": 9,
+    "tests/domains/bfcl/test_bfcl.py::test_eval_cli_on_bfcl": 7,
+    "tests/test_pretrain.py::test_a_run_loads_the_base_and_refuses_what_does_not_fit": 11,
     # --- the model on 8 devices over the sequence axis. Default tier: the 8-device step
     # scenarios of tests/rl/test_step.py (sharded equals one device).
     "tests/models/test_context_parallel.py": 39,
