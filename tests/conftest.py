@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-# The tests are written for the CPU (tiny models, fake CPU devices); libtpu, which the
-# test extra installs for the planner, would otherwise try (and fail) to start a TPU.
+# The tests are written for the CPU (tiny models, fake CPU devices); libtpu (the tpu extra,
+# for the planner's tests) would otherwise try, and loudly fail, to start a TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm (under tau2) would use the network
 
