@@ -6,6 +6,7 @@ The keys that may differ (`MAY_CHANGE`) are those that do not change what the ru
 computes in exact arithmetic:
 - where files go and what is reported: `run.name`, `run.out_dir`, `checkpoint.*`,
   `metrics.*`, `eval.*`, `env.eval_split`;
+- how much of each GPU jax may take: `run.gpu_memory_fraction`;
 - how the same computation is laid out on the machine: `mesh.*` (orbax reshards on
   restore), `model.remat`, `model.attention` (the same function, another kernel),
   `grpo.microbatch_size`, `grpo.logits_chunk`, `sft.microbatch_size` (the same gradient
@@ -48,7 +49,8 @@ from muajax.runtime.checkpoint import finished_steps, read_metadata
 from muajax.runtime.checkpoint_records import CheckpointLayoutError, check_layout
 
 STAGES = ("sft", "grpo")
-MAY_CHANGE = ("run.name", "run.out_dir", "checkpoint.", "metrics.", "eval.", "env.eval_split", "mesh.",
+MAY_CHANGE = ("run.name", "run.out_dir", "run.gpu_memory_fraction", "checkpoint.", "metrics.", "eval.",
+              "env.eval_split", "mesh.",
               "model.remat", "model.attention", "grpo.microbatch_size", "grpo.logits_chunk", "sft.microbatch_size",
               "rollout.num_slots", "rollout.tool_workers", "rollout.overlap_io", "rollout.user_timeout_s",
               "rollout.kv_cache_tokens", "rollout.kv_cache_share", "rollout.page_size", "rollout.attention",

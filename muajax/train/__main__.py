@@ -29,6 +29,7 @@ from muajax.config.schema import ConfigError, load_config
 from muajax.domains.registry import DomainConfigError
 from muajax.runtime.checkpoint import CheckpointError
 from muajax.runtime.distributed import maybe_initialize_distributed
+from muajax.train import gpu_memory
 from muajax.train.grpo import FailedRolloutsError
 from muajax.train.loop import TrainingStopped
 from muajax.runtime.resume import ResumeError
@@ -66,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"muajax.train: config error: {exc}", file=sys.stderr)
         return 2
+    memory = gpu_memory.apply(cfg.run.gpu_memory_fraction)  # before jax's GPU client starts
     maybe_initialize_distributed()
     if jax.process_index() == 0:
+        gpu_memory.announce(memory, jax.default_backend())
         print(f"# muajax.train config ({path})\n{dump_yaml(cfg)}", flush=True)
     try:
         trainer = Trainer(cfg, resume=args.resume, allow_config_change=args.allow_config_change, start_time=start)

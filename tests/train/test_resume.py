@@ -117,7 +117,7 @@ def test_a_checkpoint_that_does_not_fit_stops_before_any_file_is_written(tmp_pat
 
 
 def test_the_math_keys():
-    allowed = ["run.out_dir", "run.name", "checkpoint.every_steps", "checkpoint.dir", "metrics.tensorboard",
+    allowed = ["run.out_dir", "run.name", "run.gpu_memory_fraction", "checkpoint.every_steps", "checkpoint.dir", "metrics.tensorboard",
                "eval.trials", "env.eval_split", "mesh.fsdp", "model.remat", "model.attention",
                "grpo.microbatch_size", "grpo.logits_chunk", "sft.microbatch_size", "rollout.num_slots",
                "user.base_url", "user.timeout_s", "grpo.max_consecutive_skips", "sft.max_consecutive_skips",
