@@ -7,10 +7,18 @@ remat's recomputation and the einsum attention's masked upper triangle are exclu
 `causal=False` counts every (query, key) pair, which is what the einsum attention computes.
 A packed row (SFT) is counted as one causal sequence, a little more attention than its
 segments need.
+
+`executed_step_flops` counts what a train step's program executes instead: the backward's
+recomputation (remat, the chunked LM head, the flash kernels' rebuilt scores) and the
+reference model's forward, to set beside the compiled program's count (`muajax.planning`).
 """
 from __future__ import annotations
 
+import dataclasses
+
+from muajax.models.attention import resolve
 from muajax.models.qwen3 import Qwen3Config
+from muajax.models.splash_attention import SPLASH_BLOCK, SPLASH_LANES
 
 
 def matmul_params(cfg: Qwen3Config) -> int:
@@ -28,6 +36,28 @@ def attention_pairs(seq: int, keys: int | None = None, causal: bool = True) -> f
         return float(seq) * keys
     before = keys - seq  # cached keys every query sees
     return float(seq) * before + seq * (seq + 1) / 2
+
+
+def causal_block_pairs(q_len: int, kv_len: int, block_q: int, block_kv: int, q_offset: int = 0) -> int:
+    """(q block, kv block) pairs a blockwise causal attention computes for queries at
+    positions q_offset .. q_offset + q_len - 1 over kv_len keys: every block holding a key at
+    or before one of its queries, the diagonal blocks whole."""
+    nkv = -(-kv_len // block_kv)
+    pairs = 0
+    for start in range(q_offset, q_offset + q_len, block_q):
+        last = min(start + block_q, q_offset + q_len) - 1
+        pairs += min(nkv, last // block_kv + 1)
+    return pairs
+
+
+def splash_row_pairs(seq: int) -> float:
+    """(query, key) pairs splash computes for one row of `seq` tokens: it pads the row to its
+    block (`muajax.models.splash_attention`: SPLASH_BLOCK, or the row in whole lanes) and
+    computes every block the causal mask touches, whole."""
+    lanes = lambda x: -(-x // SPLASH_LANES) * SPLASH_LANES
+    block = min(lanes(SPLASH_BLOCK), lanes(seq))
+    padded = -(-seq // block) * block
+    return float(causal_block_pairs(padded, padded, block, block)) * block * block
 
 
 def head_params(cfg: Qwen3Config) -> int:
@@ -66,3 +96,99 @@ def train_step_flops(cfg: Qwen3Config, batch: int, seq: int, *, reference: bool 
     the prefix runs once per microbatch in each of them."""
     forward = forward_flops(cfg, batch, seq, causal=causal, shared_prefix=shared_prefix, prefix_runs=microbatches)
     return forward * (4.0 if reference else 3.0)
+
+
+# ----------------------------------------------------------------------------- executed
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionWork:
+    """How an attention implementation (`muajax.models.attention`) computes: matmuls per
+    (query, key) pair in its forward and its backward (each 2 x head_dim FLOPs per pair and
+    query head), whether it skips the blocks a causal mask hides or scores every pair, and
+    the remat policies under which the backward runs its forward again."""
+
+    forward: int
+    backward: int
+    causal: bool
+    recomputed_by: tuple[str, ...]
+
+
+# xla: scores and p @ v as einsums over every pair; the backward's 4 (dp, dv, dq, dk). Their
+#   outputs are dots with batch dims: "dots" keeps them, "dots_no_batch" runs them again.
+# chunked: FlashAttention-2's backward, which first rebuilds each block's scores (5); its
+#   output and log-sum-exp are named for the dots policies to keep (qwen3_model._remat_policy).
+# splash: separate dq (s, dp, dq: 3) and dkv (s, dv, dp, dk: 4) kernels, muajax's BlockSizes;
+#   a kernel's outputs are no dots, so every remat policy runs the forward kernel again.
+# cudnn: a fused flash backward (5), its forward likewise run again under remat.
+ATTENTION_WORK = {
+    "xla": AttentionWork(2, 4, False, ("full", "dots_no_batch")),
+    "chunked": AttentionWork(2, 5, True, ("full",)),
+    "splash": AttentionWork(2, 7, True, ("full", "dots", "dots_no_batch")),
+    "cudnn": AttentionWork(2, 5, True, ("full", "dots", "dots_no_batch")),
+}
+
+
+def _segments(cfg: Qwen3Config, batch: int, seq: int, shared_prefix: int, microbatches: int, platform: str):
+    """(rows, new tokens, (query, key) pairs per row, implementation, runs) of the parts
+    of a forward: the whole rows, or a shared prefix (one row per microbatch, through the
+    cache form) and the rows' rest over it."""
+    if not shared_prefix:
+        impl = resolve(cfg.attention, num_keys=seq, dtype=cfg.compute_dtype, platform=platform, cache_form=False)
+        pairs = splash_row_pairs(seq) if impl == "splash" else attention_pairs(seq, causal=ATTENTION_WORK[impl].causal)
+        return [(batch, seq, pairs, impl, 1)]
+    if not 0 < shared_prefix < seq:
+        raise ValueError(f"a shared prefix needs 0 < shared_prefix < seq, got shared_prefix={shared_prefix}, seq={seq}")
+    impl = resolve(cfg.attention, num_keys=seq, dtype=cfg.compute_dtype, platform=platform, cache_form=True)
+    causal, rest = ATTENTION_WORK[impl].causal, seq - shared_prefix
+    # the cache holds seq slots: the einsum scores every one of them
+    prefix_pairs = attention_pairs(shared_prefix) if causal else float(shared_prefix) * seq
+    return [(1, shared_prefix, prefix_pairs, impl, microbatches),
+            (batch, rest, attention_pairs(rest, seq, causal=causal), impl, 1)]
+
+
+def executed_step_parts(cfg: Qwen3Config, batch: int, seq: int, *, reference: bool = False, shared_prefix: int = 0,
+                        microbatches: int = 1, logits_chunk: int | None = None,
+                        platform: str = "tpu") -> dict[str, float]:
+    """The matmul FLOPs a train step executes, by part (see `executed_step_flops`)."""
+    layers, pairs_unit = 2.0 * (matmul_params(cfg) - head_params(cfg)), 2.0 * cfg.head_dim * cfg.num_heads
+    # "full" runs the layers' forward again for what the backward reads: all but the MLP's
+    # down projection, whose output only feeds the layer's output (XLA drops it)
+    rerun = layers - 2.0 * cfg.hidden_size * cfg.intermediate_size * cfg.num_layers
+    parts = dict.fromkeys(("forward", "backward", "recompute", "reference"), 0.0)
+    for rows, tokens, pairs, impl, runs in _segments(cfg, batch, seq, shared_prefix, microbatches, platform):
+        work = ATTENTION_WORK[impl]
+        proj = runs * rows * tokens * layers
+        attn = runs * rows * pairs * pairs_unit * cfg.num_layers  # one matmul over every pair
+        parts["forward"] += proj + work.forward * attn
+        parts["backward"] += 2 * proj + work.backward * attn
+        parts["recompute"] += (runs * rows * tokens * rerun if cfg.remat == "full" else 0.0) + (
+            work.forward * attn if cfg.remat in work.recomputed_by else 0.0)
+        parts["reference"] += (proj + work.forward * attn) if reference else 0.0
+    head = 2.0 * head_params(cfg) * batch * seq
+    chunked_head = logits_chunk is not None and logits_chunk < seq  # the chunks run under jax.checkpoint
+    parts["forward"] += head
+    parts["backward"] += 2 * head
+    parts["recompute"] += head if chunked_head else 0.0
+    parts["reference"] += head if reference else 0.0
+    return parts
+
+
+def executed_step_flops(cfg: Qwen3Config, batch: int, seq: int, *, reference: bool = False, shared_prefix: int = 0,
+                        microbatches: int = 1, logits_chunk: int | None = None, platform: str = "tpu") -> float:
+    """The matmul FLOPs a train step executes, as distinct from `train_step_flops` (the useful
+    ones MFU counts):
+    - the policy's forward, and its backward: twice the forward's projections and head, and
+      the attention backward's own matmuls (`ATTENTION_WORK`: the flash kernels rebuild the
+      scores);
+    - what the remat policy runs again in the backward: "full", the layers' forward but the
+      MLP's down projection, which nothing in the backward reads; "dots" / "dots_no_batch",
+      the attention forward where its outputs are not kept (ATTENTION_WORK);
+    - the LM head's forward again when it runs in `logits_chunk` chunks (under jax.checkpoint);
+    - the reference model's forward when GRPO keeps one.
+    The attention is `cfg.attention` as `muajax.models.attention.resolve` picks it on
+    `platform`, over causal pairs where it skips masked blocks: splash's in its blocks
+    (`splash_row_pairs`), chunked's exactly (its block depends on the rows per device). With
+    `shared_prefix` the prefix runs once per microbatch, through the cache form."""
+    return sum(executed_step_parts(cfg, batch, seq, reference=reference, shared_prefix=shared_prefix,
+                                   microbatches=microbatches, logits_chunk=logits_chunk, platform=platform).values())

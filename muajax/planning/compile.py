@@ -52,7 +52,7 @@ class ProgramCost:
     resident_args: dict[str, int]
     xla_flops: float = 0.0        # cost_analysis(): loop bodies counted once
     xla_bytes: float = 0.0
-    flops: float = 0.0            # loop bodies counted with their trip counts
+    flops: float = 0.0            # loop bodies counted with their trip counts, Pallas kernels included
     bytes_accessed: float = 0.0
     collectives: dict[str, float] = dataclasses.field(default_factory=dict)
     collective_counts: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -61,6 +61,10 @@ class ProgramCost:
     compile_s: float = 0.0
     error: str | None = None      # the compiler refused it (out of memory): memory is a lower bound
     input_bytes: int = 0          # the per-call (not resident) arguments, from their shardings
+    kernel_flops: float = 0.0     # the Pallas kernels' share of flops (kernel_cost), runs counted
+    kernel_bytes: float = 0.0     # and of bytes_accessed
+    kernels: list[dict] = dataclasses.field(default_factory=list)   # per kernel: name, calls, flops, bytes
+    uncounted: dict[str, float] = dataclasses.field(default_factory=dict)  # custom calls not costed: name -> calls
 
     @property
     def fits_compiler(self) -> bool:
@@ -84,7 +88,8 @@ class ProgramCost:
                 "transient": self.transient, "xla_flops": self.xla_flops, "xla_bytes_accessed": self.xla_bytes,
                 "flops": self.flops, "bytes_accessed": self.bytes_accessed, "collective_bytes": self.collectives,
                 "collective_counts": self.collective_counts, "loops": self.loops, "lower_s": round(self.lower_s, 2),
-                "compile_s": round(self.compile_s, 2), "error": self.error}
+                "compile_s": round(self.compile_s, 2), "error": self.error, "kernel_flops": self.kernel_flops,
+                "kernel_bytes": self.kernel_bytes, "kernels": self.kernels, "uncounted": self.uncounted}
 
 
 def memory_of(compiled) -> dict[str, int]:
@@ -147,4 +152,6 @@ def compile_program(program: AbstractProgram, *, platform: str, exact_oom: bool 
     loops = [{"computation": loop.computation, "trips": loop.trips, "runs": loop.multiplier} for loop in summary.loops]
     return ProgramCost(program.name, platform, memory_of(compiled), dict(program.resident_args), xla_flops, xla_bytes,
                        xla_flops + summary.extra_flops, xla_bytes + summary.extra_bytes, summary.collective_bytes,
-                       summary.collective_counts, loops, t1 - t0, t2 - t1, input_bytes=program.input_bytes)
+                       summary.collective_counts, loops, t1 - t0, t2 - t1, input_bytes=program.input_bytes,
+                       kernel_flops=summary.kernel_flops, kernel_bytes=summary.kernel_bytes,
+                       kernels=[k.to_json() for k in summary.kernels], uncounted=dict(summary.uncounted))

@@ -126,9 +126,26 @@ def parse_instruction(line: str) -> Instruction | None:
     return Instruction(m.group(1), shape, op.group(1), operands, rest[close:], args, is_root)
 
 
+def _open_brackets(text: str) -> int:
+    """Brackets opened and not closed in `text`, outside quoted strings."""
+    if sum(map(text.count, "({[")) == sum(map(text.count, ")}]")):
+        return 0  # balanced as it stands (the common case): no need to read the strings
+    depth, quoted, escaped = 0, False, False
+    for c in text:
+        if quoted:
+            quoted, escaped = (quoted, False) if escaped else (c != '"', c == "\\")
+        elif c == '"':
+            quoted = True
+        elif c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+    return depth
+
+
 def parse_module(text: str) -> HloModule:
     computations: dict[str, Computation] = {}
-    entry, current = None, None
+    entry, current, pending = None, None, ""
     for line in text.splitlines():
         if current is None:
             header = _HEADER.match(line)
@@ -137,6 +154,13 @@ def parse_module(text: str) -> HloModule:
                 if header.group(1):
                     entry = current.name
             continue
+        # an instruction's continuation lines join it: a Pallas kernel's metadata
+        # (frontend_attributes) holds newlines, and its backend_config follows them
+        line = f"{pending} {line.strip()}" if pending else line
+        if _open_brackets(line) > 0:
+            pending = line
+            continue
+        pending = ""
         if line.strip() == "}":
             computations[current.name] = current
             current = None
@@ -199,7 +223,11 @@ def _loop_step(body: Computation, index: int) -> int | None:
 
 def trip_count(module: HloModule, comp: Computation, loop: Instruction) -> int | None:
     """ceil((N - start) / step) for a loop whose condition is `counter < N` and whose body adds
-    a constant step to the counter (N, start and step constants), else None."""
+    a constant step to the counter (N, start and step constants), else None. XLA's own count
+    (`known_trip_count`, which XLA:CPU states where its conditions are fusions) comes first."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.attrs)
+    if known:
+        return int(known.group(1))
     callees = dict(called(loop))
     cond, body = (module.computations.get(callees.get(role, "")) for role in ("condition", "body"))
     if cond is None or body is None:

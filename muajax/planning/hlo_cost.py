@@ -10,6 +10,11 @@ multiply-add, valid window positions only. Bytes: each instruction outside fusio
 its operands and writes its result; a fusion operand only sliced inside the fusion counts
 as the slices, and an in-place dynamic-update-slice as its update. These are close to, not
 identical with, XLA's own rules; they only scale the loop bodies' share.
+
+Pallas kernels (custom calls) are opaque to XLA, which counts them as 0 FLOPs and 0 bytes:
+`kernel_cost` costs the ones it recognises (splash and ragged paged attention) from their
+own formulas, and each is added times its runs (`kernels`); the others are listed by name
+as `uncounted`, with how many times they run.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import re
 
 import numpy as np
 
+from muajax.planning import kernel_cost
 from muajax.planning.hlo import (
     HloModule,
     Instruction,
@@ -118,9 +124,9 @@ def _fusion_operand_bytes(module: HloModule, instr: Instruction, shapes: dict[st
         if k < len(read) and uses and all(u.opcode in _SLICES and u.operands[0] == pname for u in uses):
             read[k] = sum(sum(array_sizes(u.shape)) for u in uses)
     root = fused.root
-    if root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-        written = sum(array_sizes(fused.instructions[root.operands[1]].shape)) \
-            if root.operands[1] in fused.instructions else written
+    if root.opcode in ("dynamic-update-slice", "scatter") and len(root.operands) > 1:
+        update = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]  # in place
+        written = sum(array_sizes(fused.instructions[update].shape)) if update in fused.instructions else written
     return sum(read), written
 
 
@@ -148,25 +154,72 @@ def collective_bytes_of(instr: Instruction, shapes: dict[str, str]) -> int:
 
 
 @dataclasses.dataclass
+class KernelCount:
+    """One Pallas kernel's share of a program call, every call counted (`kernel_cost`)."""
+    name: str
+    calls: float
+    flops: float
+    bytes: float
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "calls": self.calls, "flops": self.flops, "bytes": self.bytes}
+
+
+@dataclasses.dataclass
 class HloSummary:
     collective_bytes: dict[str, float]    # per kind, per program call, loops counted
     collective_counts: dict[str, float]
     loops: list[Loop]
-    extra_flops: float                    # to add to XLA's flops (loop bodies beyond their first run)
+    extra_flops: float                    # to add to XLA's flops (loop bodies beyond their first run, kernels)
     extra_bytes: float                    # to add to XLA's bytes accessed
     matmul_flops: float                   # every dot/convolution, loops counted (a cross-check)
+    kernels: list[KernelCount] = dataclasses.field(default_factory=list)  # recognised custom calls
+    uncounted: dict[str, float] = dataclasses.field(default_factory=dict)  # other custom calls: name -> calls
 
     @property
     def unknown_loops(self) -> list[Loop]:
         return [loop for loop in self.loops if loop.trips is None]
 
+    @property
+    def kernel_flops(self) -> float:
+        return sum(k.flops for k in self.kernels)
+
+    @property
+    def kernel_bytes(self) -> float:
+        return sum(k.bytes for k in self.kernels)
+
+
+def _custom_calls(comp, shapes: dict[str, str], times: float, kernels: dict[str, KernelCount],
+                  uncounted: dict[str, float]) -> set[str]:
+    """Count the computation's custom calls (`times` runs each) into `kernels` or
+    `uncounted`; returns the names of the instructions costed as kernels. XLA's cost
+    analysis gives a custom call neither FLOPs nor bytes, so a kernel's whole cost is added."""
+    costed = set()
+    for instr in comp.instructions.values():
+        if instr.opcode != "custom-call":
+            continue
+        name, cost = kernel_cost.custom_call_cost(instr, shapes)
+        if cost is None:
+            uncounted[name] = uncounted.get(name, 0.0) + times
+            continue
+        if name in kernel_cost.XLA_BOOKKEEPING:  # no matmuls: XLA's own counts stand
+            continue
+        entry = kernels.setdefault(name, KernelCount(name, 0.0, 0.0, 0.0))
+        entry.calls += times
+        entry.flops += times * cost.flops
+        entry.bytes += times * cost.bytes
+        costed.add(instr.name)
+    return costed
+
 
 def analyze(text: str, unknown_trips: int = 1) -> HloSummary:
-    """Collectives and loop corrections of one compiled program's HLO text."""
+    """Collectives, loop corrections and Pallas kernels of one compiled program's HLO text."""
     module = parse_module(text)
     mult, loops, fused = multipliers(module, unknown_trips)
     coll = {k: 0.0 for k in COLLECTIVES}
     counts = {k: 0.0 for k in COLLECTIVES}
+    kernels: dict[str, KernelCount] = {}
+    uncounted: dict[str, float] = {}
     extra_flops = extra_bytes = matmul = 0.0
     for name, times in mult.items():
         comp = module.computations[name]
@@ -174,11 +227,16 @@ def analyze(text: str, unknown_trips: int = 1) -> HloSummary:
         flops = sum(instruction_flops(i, shapes) for i in comp.instructions.values())
         matmul += times * flops
         extra_flops += (times - 1) * flops
+        costed = _custom_calls(comp, shapes, times, kernels, uncounted)
         if name not in fused:
-            extra_bytes += (times - 1) * sum(instruction_bytes(module, i, shapes) for i in comp.instructions.values())
+            extra_bytes += (times - 1) * sum(instruction_bytes(module, i, shapes) for i in comp.instructions.values()
+                                             if i.name not in costed)
         for instr in comp.instructions.values():
             kind = collective_kind(instr.opcode)
             if kind:
                 coll[kind] += times * collective_bytes_of(instr, shapes)
                 counts[kind] += times
-    return HloSummary(coll, counts, loops, extra_flops, extra_bytes, matmul)
+    found = sorted(kernels.values(), key=lambda k: -k.flops)
+    extra_flops += sum(k.flops for k in found)
+    extra_bytes += sum(k.bytes for k in found)
+    return HloSummary(coll, counts, loops, extra_flops, extra_bytes, matmul, found, uncounted)
