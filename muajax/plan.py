@@ -15,7 +15,8 @@ trainer's own overrides do. Without a config, `--model` and the flags describe t
 
 Topologies: v5p-N and v4-N (N TensorCores, two per chip), v6e-N and v5e-N (N chips), an
 explicit chip grid such as v5p:4x4x4, cpu:N (N fake CPU devices, XLA:CPU; judged against
---chip or --hbm), or h100:N / a100:N (XLA:CPU judged against that GPU: an estimate). A TPU
+--chip or --hbm), or h100:N / a100:N (XLA:CPU judged against the share of that GPU the
+trainer lets jax take, run.gpu_memory_fraction: an estimate). A TPU
 topology needs libtpu: pip install -e ".[tpu]".
 
 The last line printed is one JSON object: per_device_bytes (the peak over the phases),
@@ -32,7 +33,7 @@ import re
 import sys
 
 from muajax import parallel
-from muajax.config.schema import SFTConfig, load_config
+from muajax.config.schema import SFTConfig, TrainConfig, load_config
 from muajax.models.presets import preset_config
 from muajax.models.qwen3 import REMAT_POLICIES, Qwen3Config
 from muajax.planning import report, sweep
@@ -40,7 +41,7 @@ from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
 from muajax.planning.run_config import model_from_config
-from muajax.planning.topology import LibtpuMissingError, devices_for, parse_topology
+from muajax.planning.topology import LibtpuMissingError, devices_for, judged_hbm, parse_topology
 from muajax.rl.grpo import GRPOConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -205,6 +206,11 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     return model, label, settings, mesh, topology
 
 
+def gpu_memory_fraction(args) -> float:
+    """The share of a GPU the trainer lets jax take: the config's run.gpu_memory_fraction, else its default."""
+    return (load_config(args.config, args.set) if args.config else TrainConfig()).run.gpu_memory_fraction
+
+
 def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -217,7 +223,10 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         print(f"plan: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     chip = spec.chip or (get_chip(args.chip) if args.chip else None)
-    hbm = args.hbm or (chip.usable_hbm_bytes if chip else None)
+    fraction = gpu_memory_fraction(args)
+    hbm, share = (args.hbm, None) if args.hbm else judged_hbm(chip, fraction)
+    if share:
+        print(f"plan: {share}", flush=True)
     if spec.gpu:
         print(f"plan: {spec.describe()}: an estimate, not the GPU compiler's figures", flush=True)
     if args.sweep:
@@ -242,6 +251,8 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
     summary = plan.to_json()
     if spec.gpu:
         summary["estimate"] = spec.describe()
+    if share:
+        summary["gpu_memory_fraction"] = fraction
     print(json.dumps(summary))
     if plan.fits is False:
         raise SystemExit(1)

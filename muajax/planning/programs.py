@@ -26,6 +26,7 @@ from muajax import parallel
 from muajax.engine import kv_cache
 from muajax.engine.programs import abstract_programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
+from muajax.planning import topology
 from muajax.planning.compile import AbstractProgram
 from muajax.rl.grpo import GRPOConfig, make_grpo_step
 from muajax.rl.optim import optimizer_from_config
@@ -90,7 +91,7 @@ def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, shared_prefix: i
     """(program, abstract train state) of one SFT update; `sft` is the config's SFTConfig."""
     k = sft.batch_size // sft.microbatch_size if sft.microbatch_size else 1
     step = make_sft_step(cfg, optimizer_from_config(sft, total_steps=1000), mesh, microbatches=k,
-                         shared_prefix=shared_prefix)
+                         logits_chunk=sft.logits_chunk, shared_prefix=shared_prefix)
     state = step.abstract_state(model_abstract_params(cfg))
     rows = padded_batch(sft.batch_size, k, mesh)
     data = _batch(mesh, {"tokens": ((rows, seq), jnp.int32), "loss_mask": ((rows, seq), jnp.int32)})
@@ -138,6 +139,7 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     its resident state (its page pool), and of its own copy of the params (0: it reads the
     train state's `params` in place)."""
     devices, hosts = host_devices(list(mesh.devices.flat))
+    devices = topology.one_host_devices(devices)
     local = rollout_engine.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
     slots = -(-engine.num_slots // hosts)
     tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)

@@ -25,9 +25,10 @@ from jax._src import (
 )
 from jax.experimental import topologies
 
-from muajax.chips import Chip, get_chip
+from muajax.chips import Chip, chip_for_device_kind, get_chip
 
 TPU_EXTRA_HINT = 'pip install -e ".[tpu]"'
+GPUS = ("h100", "a100")  # `h100:N`: XLA:CPU judged against that GPU
 _REEXEC_MARK = "MUAJAX_PLAN_REEXEC"
 
 
@@ -102,7 +103,7 @@ def parse_topology(text: str) -> TopologySpec:
         if int(m.group(1)) < 1:
             raise ValueError(f"topology {text!r}: cpu:N needs N >= 1")
         return TopologySpec(raw, "cpu", int(m.group(1)))
-    if m := re.fullmatch(r"(h100|a100):(\d+)", raw, re.IGNORECASE):
+    if m := re.fullmatch(rf"({'|'.join(GPUS)}):(\d+)", raw, re.IGNORECASE):
         # No GPU compiler runs here: XLA:CPU stands in, so the figures are an estimate.
         if int(m.group(2)) < 1:
             raise ValueError(f"topology {text!r}: {m.group(1)}:N needs N >= 1")
@@ -126,6 +127,19 @@ def parse_topology(text: str) -> TopologySpec:
                              f"or name the chip grid, e.g. {gen.name}:{'x'.join(map(str, table[max(table)]))}")
         return TopologySpec(raw, "tpu", chips, gen.name, table[chips])
     raise ValueError(f"cannot read a topology from {text!r}: expected e.g. v5p-64, v6e-16, v5p:4x4x4 or cpu:8")
+
+
+def judged_hbm(chip: Chip | None, gpu_memory_fraction: float) -> tuple[int | None, str | None]:
+    """(the memory per device a plan is judged against, a note when it is not the chip's own
+    limit). A TPU: the compiler's limit (`usable_hbm_bytes`). A GPU: the share of the card
+    the trainer lets jax take (`run.gpu_memory_fraction`, which `python -m muajax.train` sets
+    as XLA_CLIENT_MEM_FRACTION), since jax's allocator never hands out more."""
+    if chip is None or chip.name not in GPUS:
+        return (chip.usable_hbm_bytes if chip else None), None
+    hbm = int(gpu_memory_fraction * chip.hbm_bytes)
+    return hbm, (f"judged against {gpu_memory_fraction:g} x {chip.name}'s {chip.hbm_bytes / 1e9:g} GB = "
+                 f"{hbm / 1e9:.1f} GB ({hbm / 2**30:.2f} GiB) per GPU: the share of each GPU the trainer lets jax "
+                 f"take (run.gpu_memory_fraction)")
 
 
 def libtpu_available() -> bool:
@@ -193,6 +207,24 @@ def ensure_cpu_devices(n: int, reexec_argv: list[str] | None = None, module: str
     env = dict(os.environ, XLA_FLAGS=want, JAX_PLATFORMS="cpu", **{_REEXEC_MARK: "1"})
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *reexec_argv], env)
+
+
+def one_host_devices(devices: list) -> list:
+    """One host's devices of a TPU slice as the devices of a slice of that host alone, numbered
+    from 0, for a program that runs on that host's chips only (the rollout engine's). libtpu
+    compiles for a subset of a slice only when its ids are 0..n-1: a v6e host's 4 chips of a
+    4x4 are ids 0, 1, 4 and 5, and a program on them fails ("Unexpected device_id 5 [...]
+    target has 4 device_id"). Devices already numbered 0..n-1, or not TPUs, come back as given."""
+    if devices[0].platform != "tpu" or sorted(d.id for d in devices) == list(range(len(devices))):
+        return devices
+    chip = chip_for_device_kind(devices[0].device_kind)
+    if chip is None or chip.name not in GENERATIONS:
+        raise ValueError(f"no TPU generation for device kind {devices[0].device_kind!r}")
+    dims = GENERATIONS[chip.name].dims
+    shape = [max(d.coords[i] for d in devices) - min(d.coords[i] for d in devices) + 1 for i in range(dims)]
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"{len(devices)} devices do not fill a {'x'.join(map(str, shape))} block of chips")
+    return tpu_devices(parse_topology(f"{chip.name}:{'x'.join(map(str, shape))}"))
 
 
 def devices_for(spec: TopologySpec, reexec_argv: list[str] | None = None) -> list:

@@ -47,6 +47,14 @@ def test_gpu_names_compile_on_cpu_and_judge_against_the_gpu():
     assert "estimated" in spec.describe()
 
 
+def test_a_gpu_plan_is_judged_against_the_share_jax_may_take():
+    hbm, note = topology.judged_hbm(parse_topology("h100:8").chip, 0.9)
+    assert hbm == 72 * 10**9 and "0.9 x h100's 80 GB" in note and "run.gpu_memory_fraction" in note
+    v6e = parse_topology("v6e-16").chip
+    assert topology.judged_hbm(v6e, 0.9) == (v6e.usable_hbm_bytes, None)  # a TPU: the compiler's limit
+    assert topology.judged_hbm(None, 0.9) == (None, None)
+
+
 @pytest.mark.parametrize("text, message", [
     ("v5p-63", "counts TensorCores"),      # odd: not whole chips
     ("v5p-6", "known sizes"),              # 3 chips: no such slice
@@ -70,6 +78,18 @@ def test_libtpu_gives_the_slice_devices():
     assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
     assert {d.device_kind for d in devices} == {"TPU v5"}
     assert len(tpu_devices(parse_topology("v4-8"))) == 4  # megacore: one device per chip, not per core
+
+
+@pytest.mark.skipif(not topology.libtpu_available(), reason="libtpu (the TPU compiler) is not installed: "
+                    'pip install -e ".[tpu]" to run the TPU planning tests')
+def test_one_hosts_chips_compile_as_a_slice_of_their_own():
+    # a v6e host's 4 chips of a 4x4 are ids 0, 1, 4, 5: libtpu compiles for them only renumbered 0..3
+    host = [d for d in tpu_devices(parse_topology("v6e-16")) if d.process_index == 0]
+    assert sorted(d.id for d in host) == [0, 1, 4, 5]
+    alone = topology.one_host_devices(host)
+    assert sorted(d.id for d in alone) == [0, 1, 2, 3] and {d.device_kind for d in alone} == {"TPU v6 lite"}
+    v5p = [d for d in tpu_devices(parse_topology("v5p-32")) if d.process_index == 0]
+    assert topology.one_host_devices(v5p) is v5p  # numbered 0..3 already
 
 
 def test_missing_libtpu_names_the_extra(monkeypatch):
