@@ -40,7 +40,7 @@ from muajax.planning import report, sweep
 from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
-from muajax.planning.run_config import model_from_config
+from muajax.planning.run_config import model_from_config, prompt_prefix
 from muajax.planning.topology import LibtpuMissingError, devices_for, judged_hbm, parse_topology
 from muajax.rl.grpo import GRPOConfig
 
@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-microbatch", type=int, default=None)
     # either way
     p.add_argument("--sft-seq", type=int, default=None, help="SFT padded length (default: sft.max_len / --seq)")
-    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every row starts with (computed once)")
+    p.add_argument("--prompt-prefix", type=int, default=None,
+                   help="tokens every conversation starts with (default: with --config, the system prompt measured "
+                        "from its domain; else 0); the step computes them once where the trainer would")
     p.add_argument("--keep-kv-pool", action="store_true", default=None,
                    help="the engine keeps its KV pool through the update (rollout.keep_kv_pool; with --config "
                         "set that key instead)")
@@ -165,7 +167,7 @@ def settings_from_flags(args) -> PlanSettings:
     engine = EngineSettings(num_slots=_or(args.slots, batch), max_len=_or(args.max_len, seq),
                             kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size)
     return PlanSettings(batch=batch, seq=seq, grpo=grpo, sft=sft,
-                        sft_seq=args.sft_seq, shared_prefix=args.shared_prefix, engine=engine,
+                        sft_seq=args.sft_seq, prompt_prefix=args.prompt_prefix or 0, engine=engine,
                         keep_kv_during_update=bool(args.keep_kv_pool),
                         phases=args.phases or ("rollout", "update"), exact_oom=args.exact_oom)
 
@@ -197,7 +199,11 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     model, label, source = model_from_config(cfg)
     print(f"plan: {args.config}: model from {source}", flush=True)
     overrides = {"phases": args.phases} if args.phases else {}
-    settings = from_train_config(cfg, shared_prefix=args.shared_prefix, sft_seq=args.sft_seq,
+    prefix = args.prompt_prefix
+    if prefix is None:
+        prefix = prompt_prefix(cfg)
+        print(f"plan: the training conversations share a {prefix}-token system prompt", flush=True)
+    settings = from_train_config(cfg, prompt_prefix=prefix, sft_seq=args.sft_seq,
                                  exact_oom=args.exact_oom, **overrides)
     mesh = args.mesh or cfg.mesh.sizes()
     topology = args.topology or cfg.mesh.topology

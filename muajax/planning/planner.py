@@ -20,13 +20,15 @@ from muajax.config.schema import SFTConfig, TrainConfig
 from muajax.models.qwen3 import Qwen3Config
 from muajax.chips import Chip
 from muajax.planning.compile import ProgramCost, compile_program
-from muajax.models.flops import train_step_flops
+from muajax.models.flops import executed_step_flops, train_step_flops
 from muajax.planning.phases import Phase, rollout_phase, update_phase
-from muajax.planning.programs import EngineSettings, engine_programs, grpo_program, padded_batch, sft_program
+from muajax.planning.programs import EngineSettings, engine_programs, grpo_program, sft_program
 from muajax.planning.roofline import roofline
 from muajax.rl.grpo import GRPOConfig
+from muajax.runtime.grpo_layout import GRPOLayout, make_layout, rows_attention
 
 PHASES = ("rollout", "update", "sft")
+STEP_PROGRAMS = {"grpo": "grpo step", "sft": "sft step"}  # step kind -> its program's name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class PlanSettings:
     grpo: GRPOConfig = GRPOConfig()
     sft: SFTConfig = SFTConfig()
     sft_seq: int | None = None       # the SFT step's padded length (None: sft.max_len)
-    shared_prefix: int = 0           # tokens every row starts with, computed once
+    prompt_prefix: int = 0           # tokens every conversation starts with (the trainer's rule shares them or not)
     engine: EngineSettings | None = None  # None: batch slots of seq tokens
     keep_kv_during_update: bool = False   # rollout.keep_kv_pool: else the pool is freed for the update
     phases: tuple[str, ...] = ("rollout", "update")
@@ -58,11 +60,10 @@ class PlanSettings:
         """Rows of one optimizer update: a mini-batch, or the whole rollout batch."""
         return self.grpo.minibatch_size or self.batch
 
-    @property
-    def microbatches(self) -> int:
-        """As `run_grpo` splits an update: update_rows // microbatch_size (then pads)."""
-        mb = self.grpo.microbatch_size
-        return max(self.update_rows // mb, 1) if mb else 1
+    def layout(self, cfg: Qwen3Config, mesh) -> GRPOLayout:
+        """The GRPO updates' layout on `mesh`, as the trainer makes it (`muajax.runtime.grpo_layout`)."""
+        return make_layout(mesh, cfg, self.grpo, batch_size=self.batch, max_context=self.seq,
+                           temperature=self.temperature, prompt_prefix=self.prompt_prefix)
 
     @property
     def engine_settings(self) -> EngineSettings:
@@ -99,6 +100,7 @@ class Plan:
     programs: list[ProgramCost]
     rows: dict[str, dict]            # per step kind: batch, microbatches, padded rows
     model_flops: dict[str, float]    # per device per step, analytic (MFU's numerator)
+    analytic_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # per device, executed_step_flops
 
     @property
     def devices(self) -> int:
@@ -118,15 +120,31 @@ class Plan:
             return None
         return self.per_device_bytes <= self.hbm_bytes and all(p.error is None for p in self.programs)
 
+    def flops_check(self) -> dict[str, dict]:
+        """Per step kind: its program's compiled FLOPs (kernels included) and the analytic
+        count of what it executes, per device, and their ratio."""
+        out = {}
+        for kind, analytic in self.analytic_flops.items():
+            cost = next((p for p in self.programs if p.name == STEP_PROGRAMS[kind] and p.error is None), None)
+            if cost is not None:
+                out[kind] = {"flops": cost.flops, "analytic_flops": analytic,
+                             "ratio": cost.flops / analytic if analytic else None}
+        return out
+
     def rooflines(self) -> dict[str, dict]:
         return {} if self.chip is None else {p.name: roofline(p, self.chip) for p in self.programs if p.error is None}
 
     def to_json(self) -> dict:
         lines, s = self.rooflines(), self.settings
+        check = self.flops_check()
+        checks = {STEP_PROGRAMS[kind]: {"analytic_flops": c["analytic_flops"], "flops_ratio": c["ratio"]}
+                  for kind, c in check.items()}
         settings = {"batch": s.batch, "seq": s.seq, "temperature": s.temperature,
                     "kl_coef": s.grpo.kl_coef, "logits_chunk": s.grpo.logits_chunk,
                     "microbatch_size": s.grpo.microbatch_size, "minibatch_size": s.grpo.minibatch_size,
-                    "shared_prefix": s.shared_prefix, "keep_kv_during_update": s.keep_kv_during_update,
+                    "prompt_prefix": s.prompt_prefix,
+                    "shared_prefix": self.rows.get("grpo", {}).get("shared_prefix", 0),
+                    "keep_kv_during_update": s.keep_kv_during_update,
                     "engine": dataclasses.asdict(s.engine_settings), "phases": list(s.phases)}
         if "sft" in s.phases:
             settings["sft"] = {"batch_size": s.sft.batch_size, "microbatch_size": s.sft.microbatch_size,
@@ -137,8 +155,13 @@ class Plan:
                 "dtype": self.cfg.dtype, "attention": self.cfg.attention, "settings": settings, "rows": self.rows,
                 "per_device_bytes": self.per_device_bytes, "hbm_bytes": self.hbm_bytes, "fits": self.fits,
                 "phases": [p.to_json() for p in self.phases],
-                "programs": {p.name: {**p.to_json(), "roofline": lines.get(p.name)} for p in self.programs},
-                "model_flops_per_device": self.model_flops}
+                "programs": {p.name: {**p.to_json(), "roofline": lines.get(p.name), **checks.get(p.name, {})}
+                             for p in self.programs},
+                "model_flops_per_device": self.model_flops,
+                # per device per step: compiled (kernels included), executed_step_flops, their ratio
+                "flops": {kind: c["flops"] for kind, c in check.items()},
+                "analytic_flops": {kind: c["analytic_flops"] for kind, c in check.items()},
+                "flops_ratio": {kind: c["ratio"] for kind, c in check.items()}}
 
 
 def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings: PlanSettings, label: str = "",
@@ -152,6 +175,7 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
     phases: list[Phase] = []
     rows: dict[str, dict] = {}
     flops: dict[str, float] = {}
+    analytic: dict[str, float] = {}
 
     def build(program) -> ProgramCost:
         log(f"compiling {program.name} ...")
@@ -162,13 +186,19 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
         return cost
 
     if "rollout" in s.phases or "update" in s.phases:
-        k = s.microbatches
-        step, state = grpo_program(cfg, device_mesh, s.grpo, rows=s.update_rows, seq=s.seq, microbatches=k,
-                                   temperature=s.temperature, shared_prefix=s.shared_prefix)
+        layout = s.layout(cfg, device_mesh)
+        step, state = grpo_program(cfg, device_mesh, s.grpo, layout)
         train = dict(step.resident_args)
-        rows["grpo"] = {"batch": s.update_rows, "microbatches": k,
-                        "padded": padded_batch(s.update_rows, k, device_mesh)}
-        flops["grpo"] = train_step_flops(cfg, s.update_rows, s.seq, reference=s.grpo.uses_reference) / n
+        rows["grpo"] = {"batch": layout.update_rows, "microbatches": layout.microbatches, "padded": layout.padded_rows,
+                        "length": layout.longest, "buckets": list(layout.buckets),
+                        "shared_prefix": layout.shared_prefix,
+                        "attention": rows_attention(cfg, length=layout.longest, platform=platform,
+                                                    shared_prefix=layout.shared_prefix)}
+        flops["grpo"] = train_step_flops(cfg, layout.update_rows, layout.longest, reference=s.grpo.uses_reference,
+                                         shared_prefix=layout.shared_prefix, microbatches=layout.microbatches) / n
+        analytic["grpo"] = executed_step_flops(
+            cfg, layout.padded_rows, layout.longest, reference=s.grpo.uses_reference, shared_prefix=layout.shared_prefix,
+            microbatches=layout.microbatches, logits_chunk=s.grpo.logits_chunk, platform=platform) / n
         engine_state: dict[str, int] = {}
         if "rollout" in s.phases or s.keep_kv_during_update:
             programs, engine_state, copy_bytes = engine_programs(cfg, device_mesh, state.params, s.engine_settings)
@@ -179,10 +209,11 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
             phases.append(update_phase(train, engine_state, build(step), keep_engine_state=s.keep_kv_during_update))
     if "sft" in s.phases:
         seq = s.sft_seq or s.sft.max_len
-        sft, _ = sft_program(cfg, device_mesh, s.sft, seq=seq, shared_prefix=s.shared_prefix)
-        k_sft = s.sft.batch_size // s.sft.microbatch_size if s.sft.microbatch_size else 1
-        rows["sft"] = {"batch": s.sft.batch_size, "microbatches": k_sft,
-                       "padded": padded_batch(s.sft.batch_size, k_sft, device_mesh)}
-        flops["sft"] = train_step_flops(cfg, s.sft.batch_size, seq) / n
+        sft, _, rows["sft"] = sft_program(cfg, device_mesh, s.sft, seq=seq, prompt_prefix=s.prompt_prefix)
+        flops["sft"] = train_step_flops(cfg, s.sft.batch_size, seq, shared_prefix=rows["sft"]["shared_prefix"],
+                                        microbatches=rows["sft"]["microbatches"]) / n
+        analytic["sft"] = executed_step_flops(
+            cfg, rows["sft"]["padded"], seq, shared_prefix=rows["sft"]["shared_prefix"],
+            microbatches=rows["sft"]["microbatches"], logits_chunk=s.sft.logits_chunk, platform=platform) / n
         phases.append(update_phase(dict(sft.resident_args), {}, build(sft), keep_engine_state=False, name="sft"))
-    return Plan(label, cfg, topology, dict(mesh), chip, hbm_bytes, settings, phases, compiled, rows, flops)
+    return Plan(label, cfg, topology, dict(mesh), chip, hbm_bytes, settings, phases, compiled, rows, flops, analytic)

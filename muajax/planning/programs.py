@@ -28,13 +28,15 @@ from muajax.engine.programs import abstract_programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
 from muajax.planning import topology
 from muajax.planning.compile import AbstractProgram
-from muajax.rl.grpo import GRPOConfig, make_grpo_step
+from muajax.rl.grpo import GRPOConfig
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.rl.step import model_abstract_params
 from muajax.agent.rollout_config import RolloutMeshConfig
 from muajax.models.sharding import param_shardings
 from muajax.runtime import rollout_engine
+from muajax.runtime.grpo_layout import GRPOLayout, abstract_reference, rows_attention, shared_prefix_tokens
+from muajax.runtime.host_batch import microbatch_count
 
 DECODE_CHUNK = rollout_engine.DECODE_CHUNK
 EXTEND_WIDTHS = (32, 128, 512, 2048)  # the Engine's default extend_widths
@@ -66,39 +68,47 @@ def state_parts(state) -> dict[str, int]:
             "step counters": shard_bytes((state.step, state.skipped))}
 
 
-def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, *, rows: int, seq: int, microbatches: int,
-                 temperature: float = 1.0, shared_prefix: int = 0):
-    """(program, abstract train state) of one GRPO update over `rows` rows (one update's:
-    the batch, or a mini-batch) padded as the trainer pads them."""
-    step = make_grpo_step(cfg, optimizer_from_config(grpo, total_steps=1000), mesh, grpo=grpo,
-                          temperature=max(temperature, 1e-6), shared_prefix=shared_prefix,
-                          microbatches=microbatches)
+def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout: GRPOLayout):
+    """(program, abstract train state) of one GRPO update as the trainer runs it: the step
+    and its batch (one update's rows, padded, at the longest length bucket) from the same
+    `GRPOLayout` the trainer builds them from, and the KL reference as it keeps it."""
+    step = layout.make_step(cfg, mesh, grpo, total_steps=1000)
     state = step.abstract_state(model_abstract_params(cfg))
-    padded = padded_batch(rows, microbatches, mesh)
-    data = _batch(mesh, {"tokens": ((padded, seq), jnp.int32), "loss_mask": ((padded, seq), jnp.int32),
-                         "old_logprobs": ((padded, seq), jnp.float32), "advantages": ((padded,), jnp.float32)})
+    data = layout.abstract_batch(mesh)
     resident = state_parts(state)
     args = (state, data)
-    if grpo.uses_reference:  # run_grpo: jax.device_put(params, step_fn.param_shardings), the params' dtype
-        reference = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state.params,
-                                 step.param_shardings)
+    if grpo.uses_reference:
+        reference = abstract_reference(state.params, step.param_shardings, grpo)
         resident["reference"] = shard_bytes(reference)
         args = (state, data, reference)
     return AbstractProgram("grpo step", lambda: step.lower(*args), resident, input_bytes=shard_bytes(data)), state
 
 
-def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, shared_prefix: int = 0):
-    """(program, abstract train state) of one SFT update; `sft` is the config's SFTConfig."""
-    k = sft.batch_size // sft.microbatch_size if sft.microbatch_size else 1
+def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, prompt_prefix: int = 0):
+    """(program, abstract train state, rows) of one SFT update as `muajax.train.sft.run_sft`
+    runs it (`sft`: the config's SFTConfig). Without the data its rows are an upper bound:
+    one conversation a row, packed (with segment ids, no shared prefix) unless
+    `sft.packing` is off, when the rows share the `prompt_prefix` as the trainer's rule has it."""
+    packed = sft.packing != "off"
+    prefix = 0 if packed else shared_prefix_tokens(prompt_prefix, cfg, length=seq,
+                                                    platform=mesh.devices.flat[0].platform)
+    k = microbatch_count(sft.batch_size, sft.microbatch_size, mesh, "sft.microbatch_size")
     step = make_sft_step(cfg, optimizer_from_config(sft, total_steps=1000), mesh, microbatches=k,
-                         logits_chunk=sft.logits_chunk, shared_prefix=shared_prefix)
+                         shared_prefix=prefix, logits_chunk=sft.logits_chunk)
     state = step.abstract_state(model_abstract_params(cfg))
     rows = padded_batch(sft.batch_size, k, mesh)
-    data = _batch(mesh, {"tokens": ((rows, seq), jnp.int32), "loss_mask": ((rows, seq), jnp.int32)})
+    fields = {"tokens": ((rows, seq), jnp.int32), "loss_mask": ((rows, seq), jnp.int32)}
+    if packed:
+        fields["segment_ids"] = ((rows, seq), jnp.int32)
     if sft.context_weight:  # sft_batch adds the context weights when the config asks for them
-        data.update(_batch(mesh, {"context_mask": ((rows, seq), jnp.float32)}))
+        fields["context_mask"] = ((rows, seq), jnp.float32)
+    data = _batch(mesh, fields)
+    platform = mesh.devices.flat[0].platform
+    rows_info = {"batch": sft.batch_size, "microbatches": k, "padded": rows, "length": seq, "packed": packed,
+                 "shared_prefix": prefix,
+                 "attention": rows_attention(cfg, length=seq, platform=platform, shared_prefix=prefix)}
     return AbstractProgram("sft step", lambda: step.lower(state, data), state_parts(state),
-                           input_bytes=shard_bytes(data)), state
+                           input_bytes=shard_bytes(data)), state, rows_info
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,20 +1,33 @@
-"""The model a run config trains, without its checkpoint or domain: what a plan needs.
+"""The model a run config trains and the prompt its conversations share, without its
+checkpoint: what a plan needs.
 
 The trainer reads the architecture from `model.hf_dir`'s config.json (or a preset, or the
 inline `arch`) and applies the run's dtypes, remat and attention (`muajax.runtime.build.
 model_and_tokenizer`). A plan does the same, except that a checkpoint folder need not
 exist where one plans: a missing `hf_dir` whose name is a preset's (checkpoints/Qwen3-32B
--> qwen3-32b) plans that preset, and says so.
+-> qwen3-32b) plans that preset, and says so. An inline `arch` with a domain vocabulary gets
+the vocabulary's size from the domain, as the trainer builds it (nothing is written: the
+run directory's vocab.json is read if it is there).
+
+`prompt_prefix` builds the run's domain and measures the system prompt its training
+conversations share, as the trainer does (`muajax.runtime.grpo_layout.system_prompt_prefix`),
+so that a plan shares it (or not) by the trainer's rule.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 
 from muajax.config.schema import TrainConfig
 from muajax.models.hf import load_config
 from muajax.models.presets import UnknownPresetError, preset_config
+from muajax.domains.registry import make_environment
 from muajax.models.qwen3 import Qwen3Config
+from muajax.models.tokenizer import load_tokenizer
+from muajax.models.vocab import checkpoint_tokenizer
+from muajax.runtime import build
+from muajax.runtime.grpo_layout import system_prompt_prefix
 
 
 def run_dtypes(cfg: TrainConfig) -> dict:
@@ -38,6 +51,25 @@ def model_from_config(cfg: TrainConfig) -> tuple[Qwen3Config, str, str]:
             raise SystemExit(f"plan: model.hf_dir {m.hf_dir!r} has no config.json here and {name!r} is no preset: "
                              f"plan with --model, or override model.preset") from None
         return model, name, f"preset {name} ({m.hf_dir} is not here; its name is that preset's)"
-    arch = dataclasses.asdict(m.arch)
-    # a domain vocabulary's size is only known once built from the domain; the arch's is an upper bound
-    return Qwen3Config(**arch, **dtypes), "arch", "the config's inline model.arch"
+    if m.vocab == "domain":  # its size is only known once built from the domain's texts
+        model = domain_vocabulary_model(cfg)
+        return model, "arch", f"the config's inline model.arch, vocabulary of {model.vocab_size} from the domain"
+    return Qwen3Config(**dataclasses.asdict(m.arch), **dtypes), "arch", "the config's inline model.arch"
+
+
+def domain_vocabulary_model(cfg: TrainConfig) -> Qwen3Config:
+    """The inline arch with the domain vocabulary the trainer would build (or has built)."""
+    env = make_environment(cfg.env)  # no user: a plan needs no API key
+    if os.path.isfile(os.path.join(cfg.run_dir, "vocab.json")):  # where the trainer saves it
+        return build.model_and_tokenizer(cfg, env, cfg.run_dir)[0]
+    with tempfile.TemporaryDirectory() as scratch:
+        return build.model_and_tokenizer(cfg, env, scratch)[0]
+
+
+def prompt_prefix(cfg: TrainConfig) -> int:
+    """Tokens every training conversation of `cfg` starts with (its system prompt)."""
+    hf_dir = cfg.model.hf_dir
+    # the checkpoint's where it is here; else the bundled one, every Qwen3 checkpoint's
+    tokenizer = checkpoint_tokenizer(hf_dir) if hf_dir and os.path.isdir(hf_dir) else load_tokenizer()
+    env = make_environment(cfg.env)  # no user: a plan needs no API key
+    return system_prompt_prefix(env, tokenizer, env.tasks(cfg.env.train_split))

@@ -39,7 +39,7 @@ from muajax.models.qwen3 import Qwen3Config
 from muajax.chips import Chip
 from muajax.planning.compile import COLLECTIVE_SHORT
 from muajax.planning.planner import PlanSettings, plan_run
-from muajax.planning.programs import engine_programs, grpo_program, padded_batch
+from muajax.planning.programs import engine_programs, grpo_program
 from muajax.planning.report import fmt_bytes, fmt_seconds
 
 
@@ -58,16 +58,15 @@ def _per_device(size: int, mesh: dict[str, int], axes: tuple[str, ...]) -> float
 def lower_bound(cfg: Qwen3Config, mesh: dict[str, int], devices: list, settings: PlanSettings) -> dict[str, int]:
     """Bytes per device the update phase needs at least, by part (see the module docstring)."""
     device_mesh = parallel.make_mesh(**mesh, devices=devices)
-    k = settings.microbatches
-    step, state = grpo_program(cfg, device_mesh, settings.grpo, rows=settings.update_rows, seq=settings.seq,
-                               microbatches=k, temperature=settings.temperature,
-                               shared_prefix=settings.shared_prefix)
+    layout = settings.layout(cfg, device_mesh)
+    k = layout.microbatches
+    step, state = grpo_program(cfg, device_mesh, settings.grpo, layout)
     parts = dict(step.resident_args)
     if settings.keep_kv_during_update:
         _, engine_state, _ = engine_programs(cfg, device_mesh, state.params, settings.engine_settings)
         parts.update({f"engine {n}": b for n, b in engine_state.items()})
-    rows = padded_batch(settings.update_rows, k, device_mesh) // k / parallel.batch_divisor(device_mesh)
-    t = settings.seq
+    rows = layout.padded_rows // k / parallel.batch_divisor(device_mesh)
+    t = layout.longest
     logits = rows * t * _per_device(cfg.vocab_size, mesh, ("tensor",)) * np.dtype(cfg.compute_dtype).itemsize
     parts["saved layer inputs"] = int(cfg.num_layers * rows * t * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize)
     transient = {"LM-head logits": int(logits)}
@@ -119,11 +118,10 @@ def _rank(rows: list[SweepRow]) -> list[SweepRow]:
 
 def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm) -> SweepRow:
     settings = dataclasses.replace(settings, phases=("update",), exact_oom=False)
-    k = settings.microbatches
     try:  # as the trainer builds it: jax.make_mesh maps each axis onto whole physical torus axes
-        parallel.make_mesh(**mesh, devices=devices)
-    except (NotImplementedError, ValueError) as error:
-        return SweepRow(mesh, cfg.remat, k, "no mesh", 0, note=str(error).split(". ")[0][:200])
+        k = settings.layout(cfg, parallel.make_mesh(**mesh, devices=devices)).microbatches
+    except (NotImplementedError, ValueError) as error:  # ConfigError too: microbatches that do not fit the mesh
+        return SweepRow(mesh, cfg.remat, 0, "no mesh", 0, note=str(error).split(". ")[0][:200])
     bound = lower_bound(cfg, mesh, devices, settings)
     if hbm and sum(bound.values()) > hbm:
         why = ", ".join(f"{n} {fmt_bytes(b)}" for n, b in bound.items())

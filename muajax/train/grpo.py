@@ -19,19 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muajax.agent.chat import system_prompt_ids
 from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.settings.fields import config_to_dict
 from muajax.models.flops import forward_flops, train_step_flops
-from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
-from muajax.rl.optim import optimizer_from_config
 from muajax.runtime import distributed
-from muajax.runtime.host_batch import batch_divisor, common_prefix, grpo_update_batches, length_buckets, microbatch_count
+from muajax.runtime.grpo_layout import check_batch, grpo_layout, system_prompt_prefix
+from muajax.runtime.host_batch import grpo_update_batches
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
-from muajax.train.step_metrics import call_without_compile, perf_record
+from muajax.train.step_metrics import call_without_compile, perf_record, real_token_flops
 
 
 class FailedRolloutsError(RuntimeError):
@@ -81,21 +79,6 @@ def step_seed(seed: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, 104729, step]).generate_state(1, np.uint32)[0] >> 1)
 
 
-def shared_system_prefix(ctx: RunContext, tasks) -> int:
-    """Tokens every conversation starts with (the system prompt, if one domain): the GRPO
-    step computes them once per batch instead of once per row."""
-    env, prompts = ctx.domain.env, {}
-    for task in tasks:
-        if task.domain not in prompts:
-            session = env.reset(task)
-            try:
-                prompts[task.domain] = system_prompt_ids(ctx.tok, env.policy_for(task), session.tools())
-            finally:
-                session.close()
-    rows = list(prompts.values())
-    return len(rows[0]) if len(rows) == 1 else common_prefix(rows)
-
-
 # Of the first update only: the policy has not moved yet, so its ratios to the rollout's
 # logprobs show how far the trainer's numbers are from the engine's (the on-policy mismatch).
 FIRST_PASS_KEYS = ("clip_frac", "ratio_abs_dev")
@@ -120,9 +103,9 @@ def _update(step_fn, state, parts: list[dict], reference, grpo, old_logprobs_fn=
 
 
 def update_flops(ctx: RunContext, shapes, *, shared_prefix: int, microbatches: int, recomputed: bool) -> float:
-    """Model FLOPs of a step's updates over (mini-)batches of these [rows, length]: each
-    stepped `grpo.ppo_epochs` times (the reference's forward too when it is kept), plus the
-    forward that recomputes its old logprobs first when `recomputed`."""
+    """Model FLOPs of a step's updates over (mini-)batches of these [rows, length], padding
+    included: each stepped `grpo.ppo_epochs` times (the reference's forward too when it is
+    kept), plus the forward that recomputes its old logprobs first when `recomputed`."""
     g, total = ctx.cfg.grpo, 0.0
     for rows, length in shapes:
         total += g.ppo_epochs * train_step_flops(ctx.model_cfg, rows, length, reference=g.uses_reference,
@@ -132,8 +115,20 @@ def update_flops(ctx: RunContext, shapes, *, shared_prefix: int, microbatches: i
     return total
 
 
+def real_update_flops(ctx: RunContext, lengths, *, updates: int, shared_prefix: int, microbatches: int,
+                      recomputed: bool) -> float:
+    """`update_flops` over the rows' real tokens only (`lengths`: every rollout's, on every
+    process): no padded positions, no padded rows; the shared prefix as computed, once per
+    microbatch of each of the `updates` (mini-batch) updates of each pass."""
+    g = ctx.cfg.grpo
+    passes = (4.0 if g.uses_reference else 3.0) * g.ppo_epochs + (1.0 if recomputed else 0.0)
+    return real_token_flops(ctx.model_cfg, lengths, passes=passes, shared_prefix=shared_prefix,
+                            prefix_runs=updates * microbatches)
+
+
 def reference_params(params, grpo, shardings):
-    """The KL reference: a copy of the starting params, in `grpo.reference_dtype` if set."""
+    """The KL reference: a copy of the starting params, in `grpo.reference_dtype` if set
+    (`muajax.runtime.grpo_layout.abstract_reference` is its abstract twin)."""
     if grpo.reference_dtype is not None:
         dtype = jnp.dtype(grpo.reference_dtype)
         params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p), out_shardings=shardings)(params)
@@ -145,17 +140,10 @@ def run_grpo(ctx: RunContext, params):
     cfg, r, g = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo
     tasks = ctx.train_tasks()
     steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
-    batch_size = r.n_per_task * r.tasks_per_step
-    micro = microbatch_count(g.minibatch_size or batch_size, g.microbatch_size, ctx.mesh, "grpo.microbatch_size")
-    buckets = g.length_buckets or length_buckets(r.max_context)
-    prefix = shared_system_prefix(ctx, tasks)
-    optimizer = optimizer_from_config(g, total_steps=steps * g.updates_per_step(batch_size))
-    step_fn = make_grpo_step(ctx.model_cfg, optimizer, ctx.mesh, grpo=g, temperature=max(r.temperature, 1e-6),
-                             shared_prefix=prefix, microbatches=micro)
-    old_logprobs_fn = None
-    if g.recompute_old_logprobs and g.minibatch_size is not None:  # one update per step: the loss does it
-        old_logprobs_fn = make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g, temperature=max(r.temperature, 1e-6),
-                                               shared_prefix=prefix, microbatches=micro)
+    prompt_prefix = system_prompt_prefix(ctx.domain.env, ctx.tok, tasks)
+    layout = grpo_layout(cfg, ctx.mesh, ctx.model_cfg, prompt_prefix=prompt_prefix)
+    step_fn = layout.make_step(ctx.model_cfg, ctx.mesh, g, total_steps=steps * g.updates_per_step(layout.batch_size))
+    old_logprobs_fn = layout.make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g)
     reference = reference_params(params, g, step_fn.param_shardings) if g.uses_reference else None
     state = step_fn.init_state(params)
     stream = TaskStream(tasks, cfg.run.seed)
@@ -167,7 +155,6 @@ def run_grpo(ctx: RunContext, params):
             start, state = restored.step, restored.state
             stream.position = int(restored.data_position or 0)
             print(f"[grpo] resumed at step {start} (task stream position {stream.position})", flush=True)
-    divisor = batch_divisor(ctx.mesh, micro)
 
     def step(state, index):
         t0 = time.time()
@@ -183,14 +170,19 @@ def run_grpo(ctx: RunContext, params):
         ctx.engine_idle()  # the update gets the memory of the engine's params copy (and pool)
         everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
         stop_on_failures(ctx, ckpt, index, state, everyone, position)
-        parts = grpo_update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, buckets=buckets,
-                                    first_group=first, divisor=divisor, shared_prefix=prefix)
+        parts = grpo_update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, buckets=layout.buckets,
+                                    first_group=first, divisor=layout.divisor, shared_prefix=layout.shared_prefix)
+        for part in parts:
+            check_batch(part, layout)
         t1 = time.time()
         (state, metrics, shapes), compute_s = call_without_compile(
             lambda: _update(step_fn, state, parts, reference, g, old_logprobs_fn))
         t_update = time.time() - t1
-        flops = update_flops(ctx, shapes, shared_prefix=prefix, microbatches=micro,
-                             recomputed=old_logprobs_fn is not None)
+        counted = dict(shared_prefix=layout.shared_prefix, microbatches=layout.microbatches,
+                       recomputed=old_logprobs_fn is not None)
+        padded_flops = update_flops(ctx, shapes, **counted)
+        flops = real_update_flops(ctx, [len(t.tokens) for t in everyone], updates=len(parts),
+                                  **counted)
         trajectories = everyone
         sampled = int(sum(t.num_sampled for t in trajectories))
         record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
@@ -199,7 +191,7 @@ def run_grpo(ctx: RunContext, params):
                   **{f"engine/{k}": engine.stats[k] - before[k] for k in ("preemptions", "prefix_hits")},
                   "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
                   "data/position": stream.position,
-                  **perf_record(flops, compute_s, ctx.mesh.size, peak)}
+                  **perf_record(flops, compute_s, ctx.mesh.size, peak, padded_flops=padded_flops)}
         return state, record
 
     peak = ctx.peak_flops_per_device  # before the first step: on a CPU it is measured

@@ -21,12 +21,13 @@ from muajax.models.flops import train_step_flops
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.runtime import distributed
+from muajax.runtime.grpo_layout import shared_prefix_tokens
 from muajax.runtime.host_batch import (LENGTH_MULTIPLE, batch_divisor, common_prefix, microbatch_count, padded_length,
                                    place_shared, sft_batch)
 from muajax.runtime.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
-from muajax.train.step_metrics import call_without_compile, perf_record
+from muajax.train.step_metrics import call_without_compile, perf_record, real_token_flops
 from muajax.train.pretraining import copy_warmup, domain_warmup
 
 Example = tuple[list[int], list[int]]  # (token ids, assistant mask)
@@ -103,7 +104,9 @@ def run_sft(ctx: RunContext, params):
     prefix = common_prefix([ids for ids, _ in examples])
     plan = plan_batches(ctx, examples, total, prefix)
     micro = microbatch_count(plan.rows, s.microbatch_size, ctx.mesh, "sft.microbatch_size")
-    shared_prefix = 0 if plan.enabled else prefix  # packed rows do not begin alike
+    platform = ctx.mesh.devices.flat[0].platform  # packed rows do not begin alike
+    shared_prefix = 0 if plan.enabled else shared_prefix_tokens(prefix, ctx.model_cfg, length=plan.length,
+                                                               platform=platform)
     step_fn = make_sft_step(ctx.model_cfg, optimizer_from_config(s, total_steps=total), ctx.mesh, microbatches=micro,
                             shared_prefix=shared_prefix, logits_chunk=s.logits_chunk)
     ckpt = ctx.checkpointer("sft")
@@ -136,9 +139,11 @@ def run_sft(ctx: RunContext, params):
 
         (state, metrics), compute_s = call_without_compile(update)
         rows, length = batch["tokens"].shape
-        flops = train_step_flops(ctx.model_cfg, rows, length, shared_prefix=shared_prefix, microbatches=micro)
+        padded = train_step_flops(ctx.model_cfg, rows, length, shared_prefix=shared_prefix, microbatches=micro)
+        flops = real_token_flops(ctx.model_cfg, [len(ids) for ids, _ in chosen], passes=3.0,
+                                 shared_prefix=shared_prefix, prefix_runs=micro)
         return state, {**{k: float(v) for k, v in metrics.items() if k != "step"},
-                       **perf_record(flops, compute_s, ctx.mesh.size, peak)}
+                       **perf_record(flops, compute_s, ctx.mesh.size, peak, padded_flops=padded)}
 
     hooks = [ProfileHook(ctx.profile_window("sft")),  # first: the trace ends before the others' work
              MetricsHook(ctx.metrics_writer("sft", start)),

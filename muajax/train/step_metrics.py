@@ -6,8 +6,8 @@ high-water mark, and a `jax.profiler` trace of chosen steps.
     flops = train_step_flops(model_cfg, rows, length, reference=...)   # muajax.models.flops
     record.update(perf_record(flops, seconds, mesh.size, peak))   # perf/tflops_per_device, perf/mfu, ...
 
-MFU is model FLOPs (useful work: no remat recompute, causal attention's lower triangle) per
-second over the peak: the chip's dense bf16 FLOP/s from `muajax.chips`, or on a CPU the best
+MFU is model FLOPs (useful work: real tokens only, no padding, no remat recompute, causal
+attention's lower triangle) per second over the peak: the chip's dense bf16 FLOP/s from `muajax.chips`, or on a CPU the best
 rate of a float32 matmul measured on it, as `python -m muajax.bench train` measures it.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from muajax.chips import chip_for_device_kind
+from muajax.models.flops import forward_flops
 from muajax.train.compilation import CompileClock
 
 T = TypeVar("T")
@@ -103,16 +104,41 @@ def call_without_compile(fn: Callable[[], T]) -> tuple[T, float]:
     return out, max(0.0, wall - clock.take())
 
 
-def perf_record(model_flops: float, seconds: float, devices: int, peak: float | None) -> dict[str, float]:
-    """The perf/* metrics of an update of `model_flops` (over all its devices) that ran
-    `seconds` without compiling, on `devices` devices of `peak` FLOP/s each."""
+def perf_record(model_flops: float, seconds: float, devices: int, peak: float | None, *,
+                padded_flops: float | None = None) -> dict[str, float]:
+    """The perf/* metrics of an update of `model_flops` (over all its devices: real tokens
+    only) that ran `seconds` without compiling, on `devices` devices of `peak` FLOP/s each.
+    `padded_flops`: the same update counted over every position it computed, padding
+    included, logged apart as perf/padded_* (with power-of-two length buckets up to 2x the
+    real figure: it is not useful work)."""
     out = {"perf/model_flops": model_flops, "perf/update_s": seconds}
+    if padded_flops is not None:
+        out["perf/padded_model_flops"] = padded_flops
     if seconds > 0:  # a step too short for the clock has no rate
         out.update(step_throughput(model_flops, seconds, devices, peak))
+        if padded_flops is not None:
+            padded = step_throughput(padded_flops, seconds, devices, peak)
+            out.update({k.replace("perf/", "perf/padded_"): v for k, v in padded.items()})
     high_water = hbm_high_water()
     if high_water is not None:
         out["perf/hbm_peak_bytes"] = high_water
     return out
+
+
+def real_token_flops(cfg, lengths: Sequence[int], *, passes: float, shared_prefix: int = 0,
+                     prefix_runs: int = 1) -> float:
+    """Model FLOPs of `passes` forward-equivalents (3 for forward + backward, 4 with a
+    reference forward) over rows of these real lengths, padding excluded; with a
+    `shared_prefix`, its tokens are counted `prefix_runs` times (as the step computes
+    them: once per microbatch) instead of once per row."""
+    rows = sum(forward_flops(cfg, 1, n, shared_prefix=shared_prefix, prefix_runs=0) if shared_prefix
+               else forward_flops(cfg, 1, n) for n in lengths if n > shared_prefix)
+    prefix = 0.0
+    if shared_prefix:  # the layers over the prefix, once: its LM-head positions are in the rows'
+        one = forward_flops(cfg, 1, shared_prefix + 1, shared_prefix=shared_prefix, prefix_runs=1)
+        prefix = prefix_runs * (one - forward_flops(cfg, 1, shared_prefix + 1, shared_prefix=shared_prefix,
+                                                    prefix_runs=0))
+    return passes * (rows + prefix)
 
 
 def hbm_high_water(devices=None) -> int | None:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from muajax.settings.fields import ConfigError
+
 from muajax import parallel
 from muajax.config.schema import SFTConfig
 from muajax.chips import get_chip
@@ -110,7 +112,9 @@ def test_a_pool_kept_through_the_update_is_counted_there(devices):
 
 def test_microbatches_pad_like_the_trainer(plans, devices):
     # 8 rows in 2 microbatches of 4: 4 batch devices take 1 row each, nothing to pad
-    assert plans["data4"].rows["grpo"] == {"batch": 8, "microbatches": 2, "padded": 8}
+    grpo = plans["data4"].rows["grpo"]
+    assert {k: grpo[k] for k in ("batch", "microbatches", "padded")} == {"batch": 8, "microbatches": 2, "padded": 8}
+    assert grpo["attention"] == "splash" and grpo["shared_prefix"] == 0
     # tensor=2 leaves 2 batch devices: still 8
     assert plans["fsdp2_tensor2"].rows["grpo"]["padded"] == 8
     mesh = parallel.make_mesh(4, 1, 1, devices=devices)
@@ -139,7 +143,7 @@ def test_does_not_fit_a_tiny_hbm(plans):
 
 
 def test_sft_phase_holds_no_reference_nor_pool(devices):
-    settings = dataclasses.replace(SETTINGS, phases=("sft",), sft=SFTConfig(batch_size=8, microbatch_size=2),
+    settings = dataclasses.replace(SETTINGS, phases=("sft",), sft=SFTConfig(batch_size=8, microbatch_size=4),
                                    sft_seq=128)
     chip = get_chip("v5p")
     plan = plan_run(TINY, devices=devices, mesh=MESHES["fsdp4"], settings=settings, label="tiny",
@@ -147,5 +151,11 @@ def test_sft_phase_holds_no_reference_nor_pool(devices):
     assert [p.name for p in plan.programs] == ["sft step"] and [p.name for p in plan.phases] == ["sft"]
     parts = [p.name for p in plan.phases[0].parts]
     assert "reference model" not in parts and not any(p.startswith("engine") for p in parts)
-    assert plan.rows["sft"] == {"batch": 8, "microbatches": 4, "padded": 16}  # 2-row microbatches over 4 devices
+    sft = plan.rows["sft"]
+    assert {k: sft[k] for k in ("batch", "microbatches", "padded")} == {"batch": 8, "microbatches": 2, "padded": 8}
+    assert sft["packed"] and sft["shared_prefix"] == 0  # sft.packing auto: rows may be packed, with segment ids
     assert plan.fits is True and plan.programs[0].compiler == "tpu"
+    # microbatches smaller than the batch devices: refused, as the trainer refuses them
+    uneven = dataclasses.replace(settings, sft=SFTConfig(batch_size=8, microbatch_size=2))
+    with pytest.raises(ConfigError, match="sft.microbatch_size"):
+        plan_run(TINY, devices=devices, mesh=MESHES["fsdp4"], settings=uneven, label="tiny", topology="v5p:2x2x1")

@@ -38,7 +38,7 @@ def devices():
 
 @NEEDS_LIBTPU
 def test_lower_bound_terms(devices):
-    settings = PlanSettings(batch=8, seq=64, grpo=GRPOConfig(microbatch_size=4))
+    settings = PlanSettings(batch=8, seq=64, grpo=GRPOConfig(microbatch_size=4, length_buckets=(64,)))
     # the einsum attention ("xla") holds a layer's [T, T] scores; splash and chunked do not
     bound = lower_bound(TINY.replace(attention="xla"), {"data": 1, "fsdp": 4, "tensor": 1}, devices, settings)
     params = TINY.num_params() * 4

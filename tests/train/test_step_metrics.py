@@ -12,9 +12,11 @@ import pytest
 
 from muajax.models.flops import train_step_flops
 from muajax.runtime.host_batch import length_buckets
-from muajax.train.grpo import shared_system_prefix
+from muajax.runtime.grpo_layout import system_prompt_prefix
+from muajax.train.sft import read_examples
 from muajax.train.step_metrics import (ProfileWindow, device_peak_flops, hbm_high_water, measure_matmul_peak,
-                                       peak_flops, perf_record, step_throughput)
+                                       peak_flops, perf_record, real_token_flops,
+                                       step_throughput)
 from tests.support.toy_run import toy_config, toy_trainer
 
 
@@ -34,6 +36,20 @@ def test_throughput_and_mfu():
     assert perf_record(4e12, 2.0, 4, 1e12) == {"perf/model_flops": 4e12, "perf/update_s": 2.0,
                                                "perf/tflops_per_device": 0.5, "perf/mfu": 0.5}  # XLA:CPU: no HBM
     assert perf_record(4e12, 0.0, 4, 1e12) == {"perf/model_flops": 4e12, "perf/update_s": 0.0}
+    padded = perf_record(2e12, 2.0, 4, 1e12, padded_flops=4e12)  # MFU on real tokens; the padded one apart
+    assert padded["perf/mfu"] == 0.25 and padded["perf/padded_mfu"] == 0.5
+    assert padded["perf/padded_model_flops"] == 4e12 and padded["perf/padded_tflops_per_device"] == 0.5
+
+
+def test_real_token_flops_count_each_row_at_its_length_and_the_prefix_as_computed():
+    from tests.support.tiny_models import TINY_CONFIG as cfg
+    assert real_token_flops(cfg, [100, 300], passes=3.0) == pytest.approx(
+        train_step_flops(cfg, 1, 100) + train_step_flops(cfg, 1, 300))
+    assert real_token_flops(cfg, [300], passes=3.0) < train_step_flops(cfg, 1, 512)  # no padded positions
+    # a shared prefix run once per microbatch: two rows in one microbatch = the padded count at equal lengths
+    shared = real_token_flops(cfg, [300, 300], passes=3.0, shared_prefix=128, prefix_runs=1)
+    assert shared == pytest.approx(train_step_flops(cfg, 2, 300, shared_prefix=128, microbatches=1))
+    assert real_token_flops(cfg, [300, 300], passes=3.0, shared_prefix=128, prefix_runs=2) > shared
 
 
 def test_the_peak_is_the_chip_table_s_or_a_cpu_s_measured_matmul():
@@ -111,18 +127,25 @@ def test_an_sft_and_grpo_run_logs_throughput_and_writes_its_traces(tmp_path):
                                                                                                    "metrics.jsonl"))
     assert len(sft) == len(grpo) == 2
     # SFT packs both conversations into one row of 128 tokens; GRPO steps 4 rows of its one
-    # length bucket (512) with the shared system prompt run once, and the KL reference's forward
-    prefix = shared_system_prefix(ctx, ctx.train_tasks())
-    assert length_buckets(cfg.rollout.max_context) == (512,) and prefix > 0
+    # length bucket (512) with the KL reference's forward, and the system prompt once when it
+    # is long enough to share (`grpo_layout.shared_prefix_tokens`). MFU counts real tokens;
+    # the padded figure is logged apart.
+    prompt = system_prompt_prefix(ctx.domain.env, ctx.tok, ctx.train_tasks())
+    prefix = prompt if prompt >= 128 else 0
+    assert length_buckets(cfg.rollout.max_context) == (512,) and prompt > 0
     grpo_flops = train_step_flops(ctx.model_cfg, 4, 512, reference=True, shared_prefix=prefix)
+    lengths = [len(ids) for ids, _ in read_examples(str(data), ctx.tok, 64)][:2]
     for stage, rec in [("sft", r) for r in sft] + [("grpo", r) for r in grpo]:
-        assert rec["perf/tflops_per_device"] > 0 and 0 < rec["perf/mfu"] < 1, (stage, rec)
+        assert rec["perf/tflops_per_device"] > 0 and 0 < rec["perf/mfu"] < rec["perf/padded_mfu"] < 1, (stage, rec)
         assert "time/compile_s" in rec and "perf/hbm_peak_bytes" not in rec  # XLA:CPU has no memory stats
         assert rec["perf/tflops_per_device"] == pytest.approx(rec["perf/model_flops"] / rec["perf/update_s"] / 1e12)
+        assert rec["perf/mfu"] / rec["perf/padded_mfu"] == pytest.approx(
+            rec["perf/model_flops"] / rec["perf/padded_model_flops"])
         if stage == "sft":
-            assert rec["perf/model_flops"] == train_step_flops(ctx.model_cfg, 1, 128)
+            assert rec["perf/padded_model_flops"] == train_step_flops(ctx.model_cfg, 1, 128)
+            assert rec["perf/model_flops"] == pytest.approx(real_token_flops(ctx.model_cfg, lengths, passes=3.0))
         else:
-            assert rec["perf/model_flops"] == grpo_flops
+            assert rec["perf/padded_model_flops"] == grpo_flops
             assert rec["perf/update_s"] <= rec["time/update_s"]  # the update's compile time is not in it
     assert grpo[0]["time/compile_s"] > 0
     assert_opens(os.path.join(cfg.run_dir, "profile"))
