@@ -55,7 +55,7 @@ def phase_table(plan: Plan) -> str:
 
 
 def programs_table(plan: Plan) -> str:
-    lines = [f"{'program':<24}{'compile':>9}{'temps':>12}{'TFLOP':>10}{'HBM GB':>10}"
+    lines = [f"{'program':<24}{'compile':>9}{'temps':>12}{'TFLOP':>10}{'kernel':>8}{'HBM GB':>10}"
              + "".join(f"{short:>9}" for short in COLLECTIVE_SHORT.values()) + f"{'estimate':>12}  bound"]
     rooflines = plan.rooflines()
     for p in plan.programs:
@@ -66,9 +66,16 @@ def programs_table(plan: Plan) -> str:
         coll = "".join(f"{p.collectives.get(kind, 0) / 1e9:>8.2f}G" for kind in COLLECTIVE_SHORT)
         est = f"{fmt_seconds(line['estimate_s']):>12}  {line['bound']}" if line else f"{'-':>12}"
         lines.append(f"{p.name:<24}{p.compile_s:>8.1f}s{fmt_bytes(p.memory['temporaries']):>12}{p.flops / 1e12:>10.2f}"
-                     f"{p.bytes_accessed / 1e9:>10.2f}{coll}{est}")
-    lines.append("per device and call; FLOPs and bytes count every loop iteration; collective bytes are the "
-                 "arrays moved (AG all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all, CP permute)")
+                     f"{p.kernel_flops / 1e12:>8.2f}{p.bytes_accessed / 1e9:>10.2f}{coll}{est}")
+        if p.uncounted:
+            lines.append(f"  {p.name}: custom calls not counted: "
+                         + ", ".join(f"{name} x{calls:g}" for name, calls in sorted(p.uncounted.items())))
+    lines.append("per device and call; FLOPs and bytes count every loop iteration, the Pallas kernels' included "
+                 "(kernel: their TFLOP); collective bytes are the arrays moved (AG all-gather, RS reduce-scatter, "
+                 "AR all-reduce, A2A all-to-all, CP permute)")
+    for kind, check in plan.flops_check().items():
+        lines.append(f"{kind} step: {check['flops'] / 1e12:.2f} TFLOP compiled, {check['analytic_flops'] / 1e12:.2f} "
+                     f"counted from the model (executed_step_flops): ratio {check['ratio']:.3f}")
     return "\n".join(lines)
 
 
