@@ -55,7 +55,7 @@ def phase_table(plan: Plan) -> str:
 
 
 def programs_table(plan: Plan) -> str:
-    lines = [f"{'program':<24}{'compile':>9}{'temps':>12}{'TFLOP':>10}{'kernel':>8}{'HBM GB':>10}"
+    lines = [f"{'program':<24}{'compile':>9}{'temps':>12}{'TFLOP':>10}{'kernel':>10}{'HBM GB':>10}"
              + "".join(f"{short:>9}" for short in COLLECTIVE_SHORT.values()) + f"{'estimate':>12}  bound"]
     rooflines = plan.rooflines()
     for p in plan.programs:
@@ -66,7 +66,7 @@ def programs_table(plan: Plan) -> str:
         coll = "".join(f"{p.collectives.get(kind, 0) / 1e9:>8.2f}G" for kind in COLLECTIVE_SHORT)
         est = f"{fmt_seconds(line['estimate_s']):>12}  {line['bound']}" if line else f"{'-':>12}"
         lines.append(f"{p.name:<24}{p.compile_s:>8.1f}s{fmt_bytes(p.memory['temporaries']):>12}{p.flops / 1e12:>10.2f}"
-                     f"{p.kernel_flops / 1e12:>8.2f}{p.bytes_accessed / 1e9:>10.2f}{coll}{est}")
+                     f"{p.kernel_flops / 1e12:>10.2f}{p.bytes_accessed / 1e9:>10.2f}{coll}{est}")
         if p.uncounted:
             lines.append(f"  {p.name}: custom calls not counted: "
                          + ", ".join(f"{name} x{calls:g}" for name, calls in sorted(p.uncounted.items())))
