@@ -40,7 +40,7 @@ from muajax.planning import report, sweep
 from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
-from muajax.planning.run_config import model_from_config, prompt_prefix
+from muajax.planning.run_config import domain_facts, model_from_config
 from muajax.planning.topology import LibtpuMissingError, devices_for, judged_hbm, parse_topology
 from muajax.rl.grpo import GRPOConfig
 
@@ -199,11 +199,13 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     model, label, source = model_from_config(cfg)
     print(f"plan: {args.config}: model from {source}", flush=True)
     overrides = {"phases": args.phases} if args.phases else {}
-    prefix = args.prompt_prefix
-    if prefix is None:
-        prefix = prompt_prefix(cfg)
-        print(f"plan: the training conversations share a {prefix}-token system prompt", flush=True)
-    settings = from_train_config(cfg, prompt_prefix=prefix, sft_seq=args.sft_seq,
+    facts = domain_facts(cfg)
+    prefix = facts.prompt_prefix if args.prompt_prefix is None else args.prompt_prefix
+    print(f"plan: the training conversations share a {facts.prompt_prefix}-token system prompt"
+          + (f" (planned as {prefix})" if prefix != facts.prompt_prefix else "")
+          + f"; the evaluation holds {facts.eval_conversations} conversations", flush=True)
+    settings = from_train_config(cfg, prompt_prefix=prefix, eval_slots=facts.eval_conversations,
+                                 sft_seq=args.sft_seq,
                                  exact_oom=args.exact_oom, **overrides)
     mesh = args.mesh or cfg.mesh.sizes()
     topology = args.topology or cfg.mesh.topology

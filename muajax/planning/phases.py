@@ -7,6 +7,9 @@ An RL step alternates two phases that share the device:
   update   the GRPO step: the train state, the reference model, the KV cache if the engine
            keeps it through the update (rollout.keep_kv_pool), and the step's batch,
            temporaries, non-donated outputs and code.
+Between them, where the engine decodes from its own copy of the weights, the sync: the
+train state and the reference, the copy being cast in the train layout (to the compute
+dtype) and the copy in the engine's layout.
 A program's part is what it needs beyond its resident arguments (`ProgramCost.transient`),
 so the parts of a phase add up to its total and nothing is counted twice. The peak over the
 phases is what the run needs per device.
@@ -79,3 +82,14 @@ def rollout_phase(train: dict[str, int], engine_state: dict[str, int], programs:
     parts += [Part(f"engine: {n}", size) for n, size in engine_state.items()]
     parts += _train_resident(train) + _program_parts(worst)
     return Phase("rollout", parts, worst.name, any(p.error is not None for p in programs))
+
+
+def sync_phase(train: dict[str, int], copy_bytes: int, cast_bytes: int) -> Phase:
+    """The engine's weight sync (`muajax.runtime.rollout_engine.RolloutEngine._copy`): the
+    params cast to the compute dtype in the train layout (`cast_bytes`; 0 when they keep
+    their dtype), then laid out as the engine's copy (`copy_bytes`), both held at its end."""
+    parts = _train_resident(train)
+    if cast_bytes:
+        parts.append(Part("sync: the params cast, in the train layout", cast_bytes, "freed once laid out"))
+    parts.append(Part("engine: params", copy_bytes, "its own copy"))
+    return Phase("sync", parts, None)

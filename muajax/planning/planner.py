@@ -21,8 +21,9 @@ from muajax.models.qwen3 import Qwen3Config
 from muajax.chips import Chip
 from muajax.planning.compile import ProgramCost, compile_program
 from muajax.models.flops import executed_step_flops, train_step_flops
-from muajax.planning.phases import Phase, rollout_phase, update_phase
-from muajax.planning.programs import EngineSettings, engine_programs, grpo_program, sft_program
+from muajax.planning.phases import Phase, rollout_phase, sync_phase, update_phase
+from muajax.planning.programs import (EngineSettings, engine_cast_bytes, engine_programs, grpo_program,
+                                      old_logprobs_program, sft_program)
 from muajax.planning.roofline import roofline
 from muajax.rl.grpo import GRPOConfig
 from muajax.runtime.grpo_layout import GRPOLayout, make_layout, rows_attention
@@ -70,7 +71,8 @@ class PlanSettings:
         return self.engine or EngineSettings(num_slots=self.batch, max_len=self.seq)
 
 
-def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None, **overrides) -> PlanSettings:
+def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None, eval_slots: int = 0,
+                      **overrides) -> PlanSettings:
     """What the trainer runs for `cfg`: its GRPO batch at rollout.max_context (the longest a
     collated batch gets), its SFT step at sft.max_len, its engine's slots and context."""
     r = cfg.rollout
@@ -78,10 +80,10 @@ def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None
     if phases is None:
         phases = tuple(p for p, stage in (("rollout", "grpo"), ("update", "grpo"), ("sft", "sft"))
                        if stage in cfg.run.stages)
-    # RunContext.engine_slots also counts the evaluation's conversations (trials x eval
-    # tasks), which needs the domain's task list: the plan covers the GRPO step's.
+    # as RunContext.engine sizes it: a step's conversations, or the evaluation's if more
+    # (`eval_slots`, per host: the domain's held-out tasks x trials, `run_config.domain_facts`)
     engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context, kv_cache_tokens=r.kv_cache_tokens,
-                            page_size=r.page_size, attention=r.attention, mesh=r.mesh)
+                            page_size=r.page_size, attention=r.attention, mesh=r.mesh, eval_slots=eval_slots)
     values = dict(batch=batch, seq=r.max_context, temperature=r.temperature,
                   grpo=cfg.grpo, sft=cfg.sft, engine=engine, keep_kv_during_update=r.keep_kv_pool, phases=phases)
     return PlanSettings(**{**values, **overrides})
@@ -164,6 +166,40 @@ class Plan:
                 "flops_ratio": {kind: c["ratio"] for kind, c in check.items()}}
 
 
+def _plan_grpo(cfg: Qwen3Config, device_mesh, s: PlanSettings, build, phases: list[Phase]):
+    """The GRPO phases (rollout, the engine's weight sync, the old-logprob recompute where
+    configured, the update) into `phases`; returns the update's rows, and its model and
+    analytic FLOPs per device."""
+    platform, n = device_mesh.devices.flat[0].platform, device_mesh.size
+    layout = s.layout(cfg, device_mesh)
+    step, state = grpo_program(cfg, device_mesh, s.grpo, layout)
+    train = dict(step.resident_args)
+    rows = {"batch": layout.update_rows, "microbatches": layout.microbatches, "padded": layout.padded_rows,
+            "length": layout.longest, "buckets": list(layout.buckets), "shared_prefix": layout.shared_prefix,
+            "attention": rows_attention(cfg, length=layout.longest, platform=platform,
+                                        shared_prefix=layout.shared_prefix)}
+    flops = train_step_flops(cfg, layout.update_rows, layout.longest, reference=s.grpo.uses_reference,
+                             shared_prefix=layout.shared_prefix, microbatches=layout.microbatches) / n
+    analytic = executed_step_flops(
+        cfg, layout.padded_rows, layout.longest, reference=s.grpo.uses_reference, shared_prefix=layout.shared_prefix,
+        microbatches=layout.microbatches, logits_chunk=s.grpo.logits_chunk, platform=platform) / n
+    engine_state: dict[str, int] = {}
+    if "rollout" in s.phases or s.keep_kv_during_update:
+        programs, engine_state, copy_bytes = engine_programs(cfg, device_mesh, state.params, s.engine_settings)
+        if "rollout" in s.phases:
+            if copy_bytes:
+                phases.append(sync_phase(train, copy_bytes, engine_cast_bytes(state.params, cfg)))
+            phases.append(rollout_phase(train, engine_state, [build(p) for p in programs], engine_params=copy_bytes))
+    if "update" in s.phases:
+        keep = s.keep_kv_during_update
+        recompute = old_logprobs_program(cfg, device_mesh, s.grpo, layout, state)
+        if recompute is not None:
+            phases.append(update_phase(train, engine_state, build(recompute), keep_engine_state=keep,
+                                       name="old logprobs"))
+        phases.append(update_phase(train, engine_state, build(step), keep_engine_state=keep))
+    return rows, flops, analytic
+
+
 def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings: PlanSettings, label: str = "",
              topology: str = "", chip: Chip | None = None, hbm_bytes: int | None = None,
              log: Callable[[str], None] = lambda _: None) -> Plan:
@@ -186,27 +222,7 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
         return cost
 
     if "rollout" in s.phases or "update" in s.phases:
-        layout = s.layout(cfg, device_mesh)
-        step, state = grpo_program(cfg, device_mesh, s.grpo, layout)
-        train = dict(step.resident_args)
-        rows["grpo"] = {"batch": layout.update_rows, "microbatches": layout.microbatches, "padded": layout.padded_rows,
-                        "length": layout.longest, "buckets": list(layout.buckets),
-                        "shared_prefix": layout.shared_prefix,
-                        "attention": rows_attention(cfg, length=layout.longest, platform=platform,
-                                                    shared_prefix=layout.shared_prefix)}
-        flops["grpo"] = train_step_flops(cfg, layout.update_rows, layout.longest, reference=s.grpo.uses_reference,
-                                         shared_prefix=layout.shared_prefix, microbatches=layout.microbatches) / n
-        analytic["grpo"] = executed_step_flops(
-            cfg, layout.padded_rows, layout.longest, reference=s.grpo.uses_reference, shared_prefix=layout.shared_prefix,
-            microbatches=layout.microbatches, logits_chunk=s.grpo.logits_chunk, platform=platform) / n
-        engine_state: dict[str, int] = {}
-        if "rollout" in s.phases or s.keep_kv_during_update:
-            programs, engine_state, copy_bytes = engine_programs(cfg, device_mesh, state.params, s.engine_settings)
-            if "rollout" in s.phases:
-                phases.append(rollout_phase(train, engine_state, [build(p) for p in programs],
-                                            engine_params=copy_bytes))
-        if "update" in s.phases:
-            phases.append(update_phase(train, engine_state, build(step), keep_engine_state=s.keep_kv_during_update))
+        rows["grpo"], flops["grpo"], analytic["grpo"] = _plan_grpo(cfg, device_mesh, s, build, phases)
     if "sft" in s.phases:
         seq = s.sft_seq or s.sft.max_len
         sft, _, rows["sft"] = sft_program(cfg, device_mesh, s.sft, seq=seq, prompt_prefix=s.prompt_prefix)

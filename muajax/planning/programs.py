@@ -84,6 +84,17 @@ def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout: GRPOLay
     return AbstractProgram("grpo step", lambda: step.lower(*args), resident, input_bytes=shard_bytes(data)), state
 
 
+def old_logprobs_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout: GRPOLayout, state):
+    """The forward that recomputes a mini-batch's old logprobs before a step's first update
+    (`grpo.recompute_old_logprobs` with mini-batches), or None where the trainer runs none."""
+    fn = layout.make_old_logprobs_fn(cfg, mesh, grpo)
+    if fn is None:
+        return None
+    data = layout.abstract_batch(mesh)
+    return AbstractProgram("old logprobs", lambda: fn.lower(state.params, data), state_parts(state),
+                           input_bytes=shard_bytes(data))
+
+
 def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, prompt_prefix: int = 0):
     """(program, abstract train state, rows) of one SFT update as `muajax.train.sft.run_sft`
     runs it (`sft`: the config's SFTConfig). Without the data its rows are an upper bound:
@@ -124,6 +135,7 @@ class EngineSettings:
     max_extend_tokens: int = MAX_EXTEND_TOKENS
     attention: str = "auto"
     mesh: RolloutMeshConfig | None = None  # rollout.mesh; None: the trainer's default for the platform
+    eval_slots: int = 0                 # the evaluation's conversations (every host runs it whole)
 
 
 def host_devices(devices: list) -> tuple[list, int]:
@@ -143,6 +155,20 @@ def engine_copy(params, cfg: Qwen3Config, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(leaf, params, param_shardings(cfg, mesh))
 
 
+def engine_cast_bytes(params, cfg: Qwen3Config) -> int:
+    """Bytes per device of the params cast to the engine's copy dtype in their own (train)
+    layout, the sync's first half (0: the copy keeps the params' dtype)."""
+    dtype = rollout_engine.copy_dtype(cfg)
+    if dtype is None:
+        return 0
+
+    def leaf(path, x):
+        keep = rollout_engine.stays_fp32(path, cfg)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype if keep else jnp.dtype(dtype), sharding=x.sharding)
+
+    return shard_bytes(jax.tree_util.tree_map_with_path(leaf, params))
+
+
 def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings) -> tuple[list[AbstractProgram],
                                                                                             dict[str, int], int]:
     """The engine's decode and extend programs as AbstractPrograms, the bytes per device of
@@ -151,7 +177,7 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     devices, hosts = host_devices(list(mesh.devices.flat))
     devices = topology.one_host_devices(devices)
     local = rollout_engine.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
-    slots = -(-engine.num_slots // hosts)
+    slots = max(-(-engine.num_slots // hosts), engine.eval_slots)  # RunContext.engine_slots
     tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)
     spec = build_spec(cfg, local, num_slots=slots, max_len=engine.max_len, kv_cache_tokens=tokens,
                       page_size=engine.page_size, decode_chunk=engine.decode_chunk, attention=engine.attention)

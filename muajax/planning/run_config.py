@@ -9,9 +9,10 @@ exist where one plans: a missing `hf_dir` whose name is a preset's (checkpoints/
 the vocabulary's size from the domain, as the trainer builds it (nothing is written: the
 run directory's vocab.json is read if it is there).
 
-`prompt_prefix` builds the run's domain and measures the system prompt its training
-conversations share, as the trainer does (`muajax.runtime.grpo_layout.system_prompt_prefix`),
-so that a plan shares it (or not) by the trainer's rule.
+`domain_facts` builds the run's environment (not its user: no API key) and measures what
+the trainer measures there: the system prompt its training conversations share
+(`muajax.runtime.grpo_layout.system_prompt_prefix`), so that a plan shares it (or not) by
+the trainer's rule, and the evaluation's conversations, which the engine has slots for.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from muajax.domains.registry import make_environment
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import load_tokenizer
 from muajax.models.vocab import checkpoint_tokenizer
-from muajax.runtime import build
+from muajax.runtime import build, run_tasks
 from muajax.runtime.grpo_layout import system_prompt_prefix
 
 
@@ -66,10 +67,17 @@ def domain_vocabulary_model(cfg: TrainConfig) -> Qwen3Config:
         return build.model_and_tokenizer(cfg, env, scratch)[0]
 
 
-def prompt_prefix(cfg: TrainConfig) -> int:
-    """Tokens every training conversation of `cfg` starts with (its system prompt)."""
+@dataclasses.dataclass(frozen=True)
+class DomainFacts:
+    prompt_prefix: int          # tokens every training conversation starts with (its system prompt)
+    eval_conversations: int     # trials x held-out tasks: the evaluation's engine slots
+
+
+def domain_facts(cfg: TrainConfig) -> DomainFacts:
+    """What a plan needs of the run's domain, measured as the trainer measures it."""
     hf_dir = cfg.model.hf_dir
     # the checkpoint's where it is here; else the bundled one, every Qwen3 checkpoint's
     tokenizer = checkpoint_tokenizer(hf_dir) if hf_dir and os.path.isdir(hf_dir) else load_tokenizer()
     env = make_environment(cfg.env)  # no user: a plan needs no API key
-    return system_prompt_prefix(env, tokenizer, env.tasks(cfg.env.train_split))
+    prefix = system_prompt_prefix(env, tokenizer, run_tasks.train_tasks(cfg, env))
+    return DomainFacts(prefix, run_tasks.eval_trials(cfg) * len(run_tasks.eval_tasks(cfg, env)))

@@ -161,6 +161,11 @@ def make_old_logprobs_fn(cfg: Qwen3Config, mesh, grpo: GRPOConfig, *, temperatur
         with parallel.activation_rules(mesh):
             return jitted(params, batch["tokens"], batch["loss_mask"])
 
+    def lower(params, batch):  # for ahead-of-time analysis (the planner)
+        with parallel.activation_rules(mesh):
+            return jitted.lower(params, batch["tokens"], batch["loss_mask"])
+
+    old_logprobs.lower = lower
     return old_logprobs
 
 

@@ -6,7 +6,6 @@ the rollout engine (built once), and where its files go.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import os
@@ -20,7 +19,7 @@ from muajax.domains.base import Domain
 from muajax.domains.registry import make_domain, make_user
 from muajax.engine.engine import Engine
 from muajax.models.qwen3 import Qwen3Config
-from muajax.runtime import build
+from muajax.runtime import build, run_tasks
 from muajax.runtime.host_batch import check_microbatch_sizes
 from muajax.runtime.checkpoint import Checkpointer
 from muajax.train.compilation import enable_compilation_cache
@@ -57,15 +56,7 @@ class RunContext:
 
     def train_tasks(self) -> list:
         """The train split; with `env.max_train_tasks`, the first N tasks of each domain."""
-        tasks, cap = self.domain.env.tasks(self.cfg.env.train_split), self.cfg.env.max_train_tasks
-        if cap is None:
-            return tasks
-        kept, per_domain = [], collections.Counter()
-        for task in tasks:
-            if per_domain[task.domain] < cap:
-                per_domain[task.domain] += 1
-                kept.append(task)
-        return kept
+        return run_tasks.train_tasks(self.cfg, self.domain.env)
 
     def eval_domain(self) -> Domain:
         """The domain evaluations run on: the run's, with `eval.user` as its user when set."""
@@ -76,21 +67,19 @@ class RunContext:
         return self._eval_domain
 
     def eval_tasks(self) -> list:
-        tasks = self.domain.env.tasks(self.cfg.env.eval_split)
-        return tasks[: self.cfg.eval.max_tasks] if self.cfg.eval.max_tasks else tasks
+        return run_tasks.eval_tasks(self.cfg, self.domain.env)
 
     def eval_trials(self) -> int:
-        return 1 if self.cfg.eval.temperature == 0 else self.cfg.eval.trials
+        return run_tasks.eval_trials(self.cfg)
 
     def rollout_slots(self) -> int:
         """This process's share of a GRPO step's conversations open at once."""
-        r = self.cfg.rollout
-        return -(-(r.num_slots or r.n_per_task * r.tasks_per_step) // jax.process_count())
+        return run_tasks.rollout_slots(self.cfg, jax.process_count())
 
     def engine_slots(self) -> int:
         """Enough slots for this process's share of a GRPO step and for the evaluation (which
         every process runs whole)."""
-        return max(self.rollout_slots(), self.eval_trials() * len(self.eval_tasks()))
+        return run_tasks.engine_slots(self.cfg, self.domain.env, jax.process_count())
 
     def engine(self, params) -> Engine:
         """The rollout engine, built on first use; `params` are assigned to it (it decodes from

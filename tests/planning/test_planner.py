@@ -44,15 +44,19 @@ def plans(devices):
             for name, mesh in MESHES.items()}
 
 
+def phase_of(plan, name):
+    return next(p for p in plan.phases if p.name == name)
+
+
 @pytest.mark.parametrize("name", list(MESHES))
 def test_compiled_by_the_tpu_compiler(plans, name):
     plan = plans[name]
     assert plan.compiler == "tpu" and plan.devices == 4 and plan.mesh == MESHES[name]
     assert [p.name for p in plan.programs] == ["engine decode", "engine extend_32", "grpo step"]
     assert all(p.error is None and p.compile_s > 0 and p.compiler == "tpu" for p in plan.programs)
-    assert [p.name for p in plan.phases] == ["rollout", "update"]
+    assert [p.name for p in plan.phases] == ["sync", "rollout", "update"]  # the engine decodes from a bf16 copy
     assert plan.fits is True
-    rollout = {p.name: p.bytes for p in plan.phases[0].parts}
+    rollout = {p.name: p.bytes for p in phase_of(plan, "rollout").parts}
     assert any(name.startswith("engine: KV pool") and "pallas" in name for name in rollout)  # the TPU path
 
 
@@ -84,13 +88,17 @@ def test_resident_state_is_at_least_its_share(plans, name):
     for phase in plan.phases:
         resident = sum(p.bytes for p in phase.parts if p.name.startswith(("train state", "reference")))
         assert resident >= floor
-    update = {p.name: p.bytes for p in plan.phases[1].parts}
+    update = {p.name: p.bytes for p in phase_of(plan, "update").parts}
     if name == "data4":  # pure data parallelism replicates the weights
         assert update["train state: params"] == params
     assert update["reference model"] == update["train state: params"]  # the trainer's copy, in the params' dtype
     # the engine's copy and its pool are let go before the update (rollout.keep_kv_pool: false)
     assert not [part for part in update if part.startswith("engine:")]
-    rollout = {p.name: p.bytes for p in plan.phases[0].parts}
+    rollout = {p.name: p.bytes for p in phase_of(plan, "rollout").parts}
+    # the sync casts the float32 params to bfloat16 in the train layout before laying them out as the copy
+    sync = {p.name: p.bytes for p in phase_of(plan, "sync").parts}
+    assert sync["engine: params"] == rollout["engine: params"]
+    assert sync["sync: the params cast, in the train layout"] == pytest.approx(update["train state: params"] / 2, rel=0.01)
     # RolloutEngine's own copy: bfloat16 (the compute dtype) on the host's default engine mesh,
     # tensor parallel over the 2 kv heads, data parallel over the rest: half of each weight
     # matrix per device, at half the width (norms replicated)

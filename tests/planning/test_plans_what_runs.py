@@ -11,7 +11,7 @@ import pytest
 from muajax import parallel
 from muajax.config.schema import load_config
 from muajax.planning.planner import from_train_config, plan_run
-from muajax.planning.run_config import model_from_config, prompt_prefix
+from muajax.planning.run_config import domain_facts, model_from_config
 from muajax.rl.step import TrainStep
 from muajax.runtime import grpo_layout
 from muajax.runtime import build
@@ -71,7 +71,9 @@ def trainer_side(cfg, monkeypatch) -> Capture:
 def planner_side(cfg, monkeypatch) -> Capture:
     captured = Capture(monkeypatch)
     model, _, _ = model_from_config(cfg)
-    settings = from_train_config(cfg, prompt_prefix=prompt_prefix(cfg), phases=("update",))
+    facts = domain_facts(cfg)
+    settings = from_train_config(cfg, prompt_prefix=facts.prompt_prefix, eval_slots=facts.eval_conversations,
+                                 phases=("update",))
     devices = jax.devices()
     sizes = dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*cfg.mesh.sizes().values(), len(devices))))
     plan = plan_run(model, devices=devices, mesh=sizes, settings=settings, label="embedded")

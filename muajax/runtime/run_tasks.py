@@ -1,0 +1,42 @@
+"""A run's tasks and how many conversations its engine holds at once, from its config and
+its domain's environment: the trainer's `RunContext` and the planner both ask here.
+
+The engine is sized for the larger of this process's share of a GRPO step's conversations
+(`rollout.num_slots`, default all of a step's) and the evaluation, which every process runs
+whole: trials x held-out tasks."""
+from __future__ import annotations
+
+import collections
+
+
+def train_tasks(cfg, env) -> list:
+    """The train split; with `env.max_train_tasks`, the first N tasks of each domain."""
+    tasks, cap = env.tasks(cfg.env.train_split), cfg.env.max_train_tasks
+    if cap is None:
+        return tasks
+    kept, per_domain = [], collections.Counter()
+    for task in tasks:
+        if per_domain[task.domain] < cap:
+            per_domain[task.domain] += 1
+            kept.append(task)
+    return kept
+
+
+def eval_tasks(cfg, env) -> list:
+    tasks = env.tasks(cfg.env.eval_split)
+    return tasks[: cfg.eval.max_tasks] if cfg.eval.max_tasks else tasks
+
+
+def eval_trials(cfg) -> int:
+    return 1 if cfg.eval.temperature == 0 else cfg.eval.trials
+
+
+def rollout_slots(cfg, processes: int) -> int:
+    """One process's share of a GRPO step's conversations open at once."""
+    r = cfg.rollout
+    return -(-(r.num_slots or r.n_per_task * r.tasks_per_step) // processes)
+
+
+def engine_slots(cfg, env, processes: int) -> int:
+    """Slots for one process's share of a GRPO step and for the evaluation (run whole)."""
+    return max(rollout_slots(cfg, processes), eval_trials(cfg) * len(eval_tasks(cfg, env)))
