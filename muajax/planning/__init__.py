@@ -5,6 +5,7 @@ topology     TPU slice names -> libtpu's ahead-of-time devices; fake CPU devices
 compile      lower + compile a program from abstract sharded args; memory and costs
 hlo,         collectives by kind and loop trip counts from the compiled HLO; FLOPs and
 hlo_cost       bytes with every loop iteration counted
+kernel_cost  the Pallas kernels' (custom calls') FLOPs and bytes, from their own formulas
 roofline     an estimated time per program from its costs and the chip
 programs     the GRPO/SFT steps and the engine's programs, built as the trainer builds them
 phases       rollout and update: what is resident, part by part
