@@ -147,6 +147,9 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "assistant_turns": _mean(t.assistant_turns for t in trajs),
         "response_tokens": _mean(t.num_sampled for t in trajs),
         "sequence_tokens": _mean(len(t.tokens) for t in trajs),
+        # the step's longest conversation: with the means, the spread a step-time model needs
+        "longest": {"assistant_turns": max(t.assistant_turns for t in trajs),
+                    "sequence_tokens": max(len(t.tokens) for t in trajs)} if trajs else {},
         "malformed_calls": _mean(t.malformed_calls for t in trajs),
         "truncated_turns": _mean(t.truncated_turns for t in trajs),
         "user_latency_s": _mean(x for t in trajs for x in t.user_latency_s),
