@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--meshes", default=None,
                    help="meshes the sweep tries, ';'-separated like --mesh (default: every factorization)")
     p.add_argument("--out", default="plans/sweep", help="where --sweep writes sweep.csv, sweep.json and sweep.png")
+    p.add_argument("--rollout-profile", default=None, metavar="PATH_OR_RUN_DIR", help="predict the GRPO step's "
+                   "time for this rollout profile (configs/profiles/*.json, or a run directory's metrics)")
+    p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="the predicted step time beside this run's "
+                   "measured medians (its own profile unless --rollout-profile)")
     return p
 
 
@@ -261,6 +265,12 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         summary["estimate"] = spec.describe()
     if share:
         summary["gpu_memory_fraction"] = fraction
+    if args.rollout_profile or args.calibrate:
+        from muajax.planning.calibration import step_report
+        rollout = load_config(args.config, args.set).rollout if args.config else None
+        summary["step_time"], lines = step_report(plan, profile=args.rollout_profile, run_dir=args.calibrate,
+                                                  rollout=rollout)
+        print("\n".join(lines))
     print(json.dumps(summary))
     if plan.fits is False:
         raise SystemExit(1)

@@ -188,7 +188,8 @@ def run_grpo(ctx: RunContext, params):
         record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
                   "time/rollout_s": t_rollout, "time/update_s": t_update,
                   "time/engine_busy_share": (engine.stats["device_s"] - before["device_s"]) / max(t_rollout, 1e-9),
-                  **{f"engine/{k}": engine.stats[k] - before[k] for k in ("preemptions", "prefix_hits")},
+                  **{f"engine/{k}": engine.stats[k] - before[k] for k in ("preemptions", "prefix_hits", "decode_calls",
+                                                                               "extend_calls")},
                   "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
                   "data/position": stream.position,
                   **perf_record(flops, compute_s, ctx.mesh.size, peak, padded_flops=padded_flops)}

@@ -1,0 +1,84 @@
+"""This host's rates for a step-time model, by microbenchmarks (nothing fitted to a run):
+
+- peak FLOP/s: the best float32 [2048, 2048] matmul, as `muajax.train.step_metrics.measure_matmul_peak`
+  measures it for the trainer's MFU on a CPU, shared out over the host's devices;
+- memory bandwidth: the best of a few copies of a 256 MiB array (read and write counted),
+  far larger than the caches (STREAM's copy);
+- dispatch: the host time of one small jitted call on the device as the engine makes them:
+  its row arrays put on the device, the call, its outputs fetched (median of many).
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from muajax.planning.step_time import Rates
+
+COPY_BYTES = 256 * 2**20
+PEAK_MATMUL_SIZE = 2048  # as muajax.train.step_metrics: big enough to reach a CPU's peak
+DISPATCH_ARRAYS = 9  # an engine decode call's per-row arrays (batching.decode_rows)
+
+
+def matmul_peak(device=None, size: int = PEAK_MATMUL_SIZE, repeat: int = 5) -> float:
+    """FLOP/s of the best of `repeat` float32 [size, size] @ [size, size] matmuls, the
+    compile not counted: the measurement `muajax.train.step_metrics.measure_matmul_peak`
+    makes for the trainer's MFU on a CPU (the planner stands below the trainer, so it is
+    made here the same way)."""
+    device = device or jax.devices()[0]
+    keys = jax.random.split(jax.random.key(0))
+    a, b = (jax.device_put(jax.random.normal(k, (size, size), jnp.float32), device) for k in keys)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, b))
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def memory_bandwidth(nbytes: int = COPY_BYTES, repeat: int = 7) -> float:
+    """Bytes per second of the best of `repeat` copies of `nbytes` (read + written)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * nbytes / best
+
+
+def dispatch_seconds(device=None, rows: int = 32, repeat: int = 200) -> float:
+    """Median host seconds of one tiny jitted call with the engine's per-call traffic."""
+    device = device or jax.devices()[0]
+    step = jax.jit(lambda *xs: tuple(x + 1 for x in xs))
+    host = [np.arange(rows, dtype=np.int32) for _ in range(DISPATCH_ARRAYS)]
+
+    def call():
+        out = step(*jax.device_put(host, device))
+        return [np.asarray(x) for x in jax.device_get(out)]
+
+    call()  # compile
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def measure_host_rates(devices: int = 1, device=None) -> Rates:
+    """This CPU's rates, per device when the host is split into `devices` XLA:CPU devices
+    (they share its cores and memory). XLA:CPU runs a program's operations one after
+    another, so a call's time is the sum of its compute and memory terms (overlap off)."""
+    device = device or jax.devices()[0]
+    peak = matmul_peak(device) / devices
+    bandwidth = memory_bandwidth() / devices
+    dispatch = dispatch_seconds(device)
+    return Rates("host cpu", peak, bandwidth, None, dispatch, overlap=False,
+                 source=f"measured here: float32 matmul peak {peak / 1e9:.1f} GFLOP/s, copy bandwidth "
+                        f"{bandwidth / 1e9:.1f} GB/s, dispatch {dispatch * 1e3:.2f} ms per call")

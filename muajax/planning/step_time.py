@@ -1,0 +1,281 @@
+"""A whole GRPO step's time, from a plan's compiled programs and a rollout profile.
+
+    step_s = rollout_s + sync_s + update_s
+
+rollout_s  the rollout played through the engine's schedule call by call
+           (`rollout_schedule.simulate`: decode chunks over the generating rows, extends
+           per width bucket with their padding, the system prompt computed once, the tail
+           where few rows remain, user latency overlapped as the rollout loop allows), each
+           call priced from the plan's compiled engine program of its kind (`engine decode`,
+           `engine extend_W`), rescaled to the call's rows, gathered length and steps by the
+           analytic model of its work (FLOPs from muajax/models/flops.py, bytes from the
+           weights and the KV cache it reads and writes);
+sync_s     the engine's copy of the params (the plan's rollout phase says how many bytes per
+           device; 0 when the engine reads the train state's params in place): read and
+           written once, and moved over the interconnect when the layouts differ;
+update_s   the `grpo step` program per optimizer update (ppo_epochs x mini-batches), at the
+           length bucket the simulated batch's longest row falls in (rescaled from the
+           compiled length by the train step's analytic FLOPs), plus the old-logprob
+           recompute forward when `grpo.recompute_old_logprobs` runs one.
+
+A call's seconds are the host's dispatch time plus the roofline of its FLOPs, bytes and
+collectives (`Rates`): on an accelerator the largest term (`muajax.planning.roofline`:
+compute, HBM and the interconnect overlap), on XLA:CPU their sum (it runs one operation
+after another, each bound by its own resource). The draws of conversations are seeded:
+`samples` batches are simulated and averaged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from muajax.chips import Chip
+from muajax.models.flops import forward_flops, head_params, train_step_flops
+from muajax.planning.compile import ProgramCost
+from muajax.planning.roofline import COLLECTIVE_FACTORS
+from muajax.planning.rollout_profile import RolloutProfile
+from muajax.planning.rollout_schedule import CallTimes, Schedule, draw_conversations, simulate
+from muajax.runtime.host_batch import bucket_length
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What a device does per second, and the host's time per program call."""
+
+    name: str
+    peak_flops: float
+    mem_bytes_per_s: float
+    ring_bytes_per_s: float | None = None
+    dispatch_s: float = 0.0          # host time per program call (measured: host_rates.py)
+    overlap: bool = True             # roofline max (an accelerator), else the terms' sum (XLA:CPU)
+    source: str = ""
+
+    @classmethod
+    def from_chip(cls, chip: Chip, dispatch_s: float = 0.0) -> Rates:
+        return cls(chip.name, chip.peak_flops, chip.hbm_bytes_per_s, chip.ring_bytes_per_s, dispatch_s, True,
+                   f"muajax.chips {chip.name}")
+
+    def seconds(self, flops: float, bytes_: float, collective_bytes: float = 0.0) -> float:
+        """One call: dispatch + the roofline of its work."""
+        terms = [flops / self.peak_flops, bytes_ / self.mem_bytes_per_s]
+        if collective_bytes and self.ring_bytes_per_s:
+            terms.append(collective_bytes / self.ring_bytes_per_s)
+        return self.dispatch_s + (max(terms) if self.overlap else sum(terms))
+
+
+def moved_bytes(cost: ProgramCost) -> float:
+    """Collective bytes weighted as the roofline weighs them (`roofline.COLLECTIVE_FACTORS`)."""
+    return sum(COLLECTIVE_FACTORS.get(kind, 1.0) * b for kind, b in cost.collectives.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The engine schedule and the update's shape the plan does not carry."""
+
+    schedule: Schedule
+    update_rows: int                 # rows of one optimizer update (padded)
+    microbatches: int
+    updates_per_epoch: int
+    ppo_epochs: int = 1
+    recompute: bool = False          # an old-logprob forward per mini-batch first
+    reference: bool = True           # the KL reference's forward runs in the update
+    buckets: tuple[int, ...] = ()
+    shared_prefix: int = 0           # tokens the update computes once per microbatch
+    compiled_length: int = 0         # the length the plan compiled the update at
+    hosts: int = 1
+
+
+class _EngineModel:
+    """Per-call seconds of the engine's programs at any shape, from their compiled costs."""
+
+    def __init__(self, programs: dict[str, ProgramCost], cfg, rates: Rates, schedule: Schedule, decode_rows: int,
+                 extend_rows: dict[int, int]):
+        self.cfg, self.rates, self.schedule = cfg, rates, schedule
+        self.decode_cost = programs["engine decode"]
+        self.extends = {int(name.rsplit("_", 1)[1]): cost for name, cost in programs.items()
+                        if name.startswith("engine extend_")}
+        self.decode_rows, self.extend_rows = decode_rows, extend_rows
+        self.compiled_dense = schedule.dense(schedule.max_context)
+        itemsize = np.dtype(cfg.compute_dtype).itemsize
+        self.kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+        self.weights = cfg.num_params() * itemsize
+
+    def _work(self, rows: int, new: int, keys: int, steps: int, head: bool) -> tuple[float, float]:
+        """(FLOPs, bytes) of `steps` passes of `rows` rows of `new` tokens over `keys` positions."""
+        flops = forward_flops(self.cfg, rows, new, keys) - (0 if head else 2.0 * head_params(self.cfg) * rows * new)
+        bytes_ = self.weights + rows * keys * self.kv_token
+        gather = 2.0 * rows * keys * self.kv_token  # the cache gathered in and scattered back, once per call
+        return steps * flops, steps * bytes_ + gather
+
+    def _scaled(self, cost: ProgramCost, now: tuple[float, float], then: tuple[float, float], rows: float) -> float:
+        f, b = cost.flops * now[0] / then[0], cost.bytes_accessed * now[1] / then[1]
+        return self.rates.seconds(f, b, moved_bytes(cost) * rows)
+
+    def decode(self, rows: int, dense: int, steps: int) -> float:
+        chunk = self.schedule.decode_chunk
+        now = self._work(rows, 1, dense, steps, True)
+        then = self._work(self.decode_rows, 1, self.compiled_dense, chunk, True)
+        return self._scaled(self.decode_cost, now, then, rows * steps / (self.decode_rows * chunk))
+
+    def extend(self, rows: int, width: int, dense: int) -> float:
+        compiled = min((w for w in self.extends if w >= width), default=max(self.extends))
+        r0 = self.extend_rows.get(compiled, rows)
+        now = self._work(rows, width, dense, 1, False)
+        then = self._work(r0, compiled, self.compiled_dense, 1, False)
+        return self._scaled(self.extends[compiled], now, then, rows * width / (r0 * compiled))
+
+    def times(self) -> CallTimes:
+        return CallTimes(self.decode, self.extend)
+
+
+def extend_program_rows(schedule: Schedule, compiled_rows: int) -> dict[int, int]:
+    """Rows the plan compiled each extend width at (`engine.programs.abstract_programs`)."""
+    from muajax.engine import batching
+
+    top = (compiled_rows // schedule.shards)
+    buckets = batching.buckets(top)
+    return {w: schedule.shards * batching.bucket(max(1, min(schedule.max_extend_tokens // w, top)), buckets)
+            for w in schedule.extend_widths}
+
+
+def _train_flops(cfg, rows: int, length: int, s: StepSettings, forward_only: bool = False) -> float:
+    prefix = s.shared_prefix if 0 < s.shared_prefix < length else 0
+    if forward_only:
+        return forward_flops(cfg, rows, length, shared_prefix=prefix, prefix_runs=s.microbatches)
+    return train_step_flops(cfg, rows, length, reference=s.reference, shared_prefix=prefix,
+                            microbatches=s.microbatches)
+
+
+def useful_flops(cfg, lengths, s: StepSettings) -> float:
+    """The updates' model FLOPs on the rows' real tokens, counted as the trainer counts them
+    for its MFU (`muajax.train.step_metrics.real_token_flops`): forward-equivalents (3 per
+    update, 4 with the reference, 1 for the recompute) over each row's real length, the
+    shared prefix's layers once per microbatch of each update."""
+    passes = (4.0 if s.reference else 3.0) * s.ppo_epochs + (1.0 if s.recompute else 0.0)
+    p = s.shared_prefix
+    rows = sum(forward_flops(cfg, 1, n, shared_prefix=p, prefix_runs=0) if p else forward_flops(cfg, 1, n)
+               for n in lengths if n > p)
+    prefix = 0.0
+    if p:
+        prefix = s.updates_per_epoch * s.microbatches * (
+            forward_flops(cfg, 1, p + 1, shared_prefix=p, prefix_runs=1)
+            - forward_flops(cfg, 1, p + 1, shared_prefix=p, prefix_runs=0))
+    return passes * (rows + prefix)
+
+
+def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length: int,
+                   recompute_cost: ProgramCost | None = None) -> dict:
+    """The step's updates at padded `length`: each update call rescaled from the compiled
+    length by the train step's FLOPs; the old-logprob forward (one per mini-batch) from its
+    own compiled program (`old logprobs`) by the forward's FLOPs, or where the plan has none
+    from the update's cost by the forward's share of the step's FLOPs."""
+    ratio = _train_flops(cfg, s.update_rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
+    per_call = rates.seconds(cost.flops * ratio, cost.bytes_accessed * ratio, moved_bytes(cost) * ratio)
+    calls = s.ppo_epochs * s.updates_per_epoch
+    recompute = 0.0
+    if s.recompute:
+        forward = _train_flops(cfg, s.update_rows, length, s, forward_only=True)
+        if recompute_cost is not None:
+            r = forward / _train_flops(cfg, s.update_rows, s.compiled_length, s, forward_only=True)
+            one = rates.seconds(recompute_cost.flops * r, recompute_cost.bytes_accessed * r,
+                                moved_bytes(recompute_cost) * r)
+        else:
+            share = forward / _train_flops(cfg, s.update_rows, length, s)
+            one = rates.dispatch_s + (per_call - rates.dispatch_s) * share
+        recompute = s.updates_per_epoch * one
+    return {"per_call_s": per_call, "calls": calls, "recompute_s": recompute, "seconds": calls * per_call + recompute}
+
+
+def sync_seconds(copy_bytes: int, rates: Rates, devices: int) -> float:
+    """The engine's params copy: each device reads and writes its share, and the copy moves
+    over the interconnect when it is laid out anew (several devices)."""
+    if copy_bytes <= 0:
+        return 0.0
+    ring = copy_bytes / rates.ring_bytes_per_s if devices > 1 and rates.ring_bytes_per_s else 0.0
+    return rates.dispatch_s + 2.0 * copy_bytes / rates.mem_bytes_per_s + ring
+
+
+def engine_copy_bytes(plan) -> int:
+    """Bytes per device of the engine's own params copy (0: it reads the train state's in
+    place), from the plan's rollout phase (`planning.programs.engine_programs` copy_bytes)."""
+    for phase in plan.phases:
+        if phase.name == "rollout":
+            return sum(p.bytes for p in phase.parts if p.name == "engine: params")
+    return 0
+
+
+def compiled_engine_rows(plan, settings: StepSettings) -> int:
+    """Rows the plan compiled the decode at: every slot of the host's engine
+    (`engine_programs`: its conversations, or the evaluation's when more)."""
+    e, sched = plan.settings.engine_settings, settings.schedule
+    slots = max(-(-e.num_slots // settings.hosts), getattr(e, "eval_slots", 0))
+    return sched.shards * -(-slots // sched.shards)
+
+
+def predict_step(plan, profile: RolloutProfile, rates: Rates, settings: StepSettings, *, samples: int = 8,
+                 seed: int = 0, decode_rows: int | None = None) -> dict:
+    """The step's seconds by phase (means over `samples` simulated batches), its calls, tokens
+    per second per chip and the update's MFU on the real (unpadded) tokens."""
+    programs = {p.name: p for p in plan.programs if p.error is None}
+    sched = settings.schedule
+    rows = decode_rows or compiled_engine_rows(plan, settings)
+    engine = _EngineModel(programs, plan.cfg, rates, sched, rows, extend_program_rows(sched, rows))
+    rng = np.random.default_rng(seed)
+    runs, updates = [], []
+    for _ in range(samples):
+        convs = draw_conversations(profile, sched.conversations, rng, max_new_tokens=sched.max_new_tokens)
+        run = simulate(convs, sched, engine.times(), prefix_tokens=profile.system_tokens)
+        longest = bucket_length(min(max(run.lengths), max(settings.buckets)), settings.buckets)
+        update = update_seconds(programs["grpo step"], plan.cfg, rates, settings, longest, programs.get("old logprobs"))
+        runs.append(run)
+        updates.append({**update, "length": longest, "useful_flops": useful_flops(plan.cfg, run.lengths, settings)})
+    return _summary(plan, rates, settings, runs, updates)
+
+
+def _mean(xs) -> float:
+    return float(np.mean(list(xs)))
+
+
+def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
+    rollout = _mean(r.seconds for r in runs)
+    sync = sync_seconds(engine_copy_bytes(plan), rates, plan.devices)
+    update = _mean(u["seconds"] for u in updates)
+    step = rollout + sync + update
+    sampled = _mean(r.sampled_tokens for r in runs) * settings.hosts
+    useful = _mean(u["useful_flops"] for u in updates) * settings.hosts
+    chip_s = plan.devices * rates.peak_flops
+    return {
+        "rollout_s": rollout, "sync_s": sync, "update_s": update, "step_s": step,
+        "rollout": {"decode_s": _mean(r.decode_s for r in runs), "extend_s": _mean(r.extend_s for r in runs),
+                    "wait_s": _mean(r.wait_s for r in runs), "engine_steps": _mean(r.steps for r in runs),
+                    "decode_calls": _mean(r.decode_calls for r in runs),
+                    "extend_calls": _mean(r.extend_calls for r in runs), "sampled_tokens": sampled,
+                    "sequence_tokens": _mean(_mean(r.lengths) for r in runs),
+                    "longest_row": _mean(max(r.lengths) for r in runs)},
+        "update": {"calls": updates[0]["calls"], "per_call_s": _mean(u["per_call_s"] for u in updates),
+                   "recompute_s": _mean(u["recompute_s"] for u in updates),
+                   "length": _mean(u["length"] for u in updates), "useful_flops": useful},
+        "tokens_per_s_per_chip": sampled / step / plan.devices if step > 0 else 0.0,
+        "update_mfu": useful / (update * chip_s) if update > 0 else 0.0,
+        "step_mfu": useful / (step * chip_s) if step > 0 else 0.0,
+        "rates": dataclasses.asdict(rates), "samples": len(runs),
+    }
+
+
+def summary_lines(prediction: dict) -> list[str]:
+    p, r, u = prediction, prediction["rollout"], prediction["update"]
+    return [f"step {p['step_s']:.2f} s = rollout {p['rollout_s']:.2f} s + sync {p['sync_s']:.3f} s + update "
+            f"{p['update_s']:.2f} s",
+            f"  rollout: {r['engine_steps']:.0f} engine steps, {r['decode_calls']:.0f} decode calls "
+            f"({r['decode_s']:.2f} s), {r['extend_calls']:.0f} extend calls ({r['extend_s']:.2f} s), waiting "
+            f"{r['wait_s']:.2f} s; {r['sampled_tokens']:.0f} sampled tokens, longest row {r['longest_row']:.0f}",
+            f"  update: {u['calls']} call(s) of {u['per_call_s']:.3f} s at length {u['length']:.0f}"
+            + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),
+            f"  {p['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip; update MFU {p['update_mfu']:.1%} "
+            f"(step {p['step_mfu']:.1%}) on the real tokens"]
+
+
+def is_finite(prediction: dict) -> bool:
+    return all(math.isfinite(prediction[k]) for k in ("rollout_s", "sync_s", "update_s", "step_s"))

@@ -1,0 +1,177 @@
+"""The GRPO step-time model: the rollout's schedule, each call priced from compiled costs,
+the weight sync and the update, on hand-built ProgramCosts (no compiler)."""
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from muajax.agent.rollout_config import RolloutConfig
+from muajax.planning.calibration import measured, step_settings
+from muajax.planning.compile import ProgramCost
+from muajax.planning.phases import Part, Phase
+from muajax.planning.programs import EngineSettings
+from muajax.planning.rollout_profile import Distribution, RolloutProfile
+from muajax.planning.rollout_schedule import CallTimes, Conversation, Schedule, extend_calls, simulate
+from muajax.planning.step_time import Rates, predict_step, update_seconds
+from muajax.rl.grpo import GRPOConfig
+from tests.support.tiny_models import TINY_CONFIG
+
+RATES = Rates("test", peak_flops=1e12, mem_bytes_per_s=1e11, dispatch_s=1e-3, overlap=True)
+
+
+def _cost(name: str, flops: float, bytes_: float) -> ProgramCost:
+    return ProgramCost(name, "cpu", {}, {}, flops=flops, bytes_accessed=bytes_)
+
+
+def _plan(copy_bytes: int = 0, grpo: GRPOConfig | None = None, batch: int = 8, max_len: int = 1024):
+    engine = EngineSettings(num_slots=batch, max_len=max_len)
+    programs = [_cost("engine decode", 2e9, 1e9), _cost("grpo step", 4e12, 1e11)]
+    programs += [_cost(f"engine extend_{w}", 1e9 * w / 32, 5e8) for w in (32, 128, 512, 1024)]
+    grpo = grpo or GRPOConfig(kl_coef=0.001)
+    settings = types.SimpleNamespace(engine_settings=engine, batch=batch, seq=max_len, grpo=grpo)
+    rows = {"grpo": {"batch": grpo.minibatch_size or batch, "microbatches": 1, "length": max_len,
+                     "buckets": [512, max_len], "shared_prefix": 0}}
+    phases = [Phase("rollout", [Part("engine: params", copy_bytes)])]
+    return types.SimpleNamespace(programs=programs, cfg=TINY_CONFIG, settings=settings, devices=1, phases=phases,
+                                 rows=rows, compiler="cpu", chip=None)
+
+
+def _profile(turns: float, **overrides) -> RolloutProfile:
+    values = dict(name="hand", system_tokens=100, first_user_tokens=Distribution(20.0),
+                  agent_turns=Distribution(turns), tool_turns=Distribution(turns / 2),
+                  agent_turn_tokens=Distribution(32.0), user_turn_tokens=Distribution(10.0),
+                  tool_result_tokens=Distribution(10.0), user_latency_s=Distribution(0.0),
+                  sequence_tokens=Distribution(400.0), turn_overhead_tokens=0)
+    return RolloutProfile(**{**values, **overrides})
+
+
+def _rollout(**overrides) -> RolloutConfig:
+    return RolloutConfig(**{"max_context": 1024, "max_new_tokens_per_turn": 64, "max_turns": 64, **overrides})
+
+
+def test_a_call_is_dispatch_plus_the_roofline_max_or_on_a_cpu_the_sum():
+    assert RATES.seconds(2e12, 1e11) == pytest.approx(1e-3 + 2.0)
+    serial = Rates("cpu", 1e12, 1e11, dispatch_s=0.0, overlap=False)
+    assert serial.seconds(2e12, 1e11) == pytest.approx(3.0)
+
+
+def test_doubling_the_turns_doubles_the_decode_calls_and_time():
+    schedule = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=100,
+                        decode_chunk=16, dense_buckets=False)
+    times = CallTimes(decode=lambda rows, dense, steps: 0.5, extend=lambda rows, width, dense: 0.0)
+
+    def decode_s(turns):
+        convs = [Conversation(50, [32] * turns, [10] * (turns - 1), [0.0] * (turns - 1)) for _ in range(4)]
+        return simulate(convs, schedule, times)
+
+    one, two = decode_s(5), decode_s(10)
+    assert one.decode_calls == 5 * 2  # two chunks of 16 per 32-token turn, the four conversations in step
+    assert two.decode_calls == 2 * one.decode_calls and two.decode_s == pytest.approx(2 * one.decode_s)
+    assert one.sampled_tokens == 4 * 5 * 32
+
+
+def test_a_reply_joins_the_step_after_next_while_others_decode_and_latency_overlaps():
+    schedule = Schedule(conversations=2, num_slots=2, max_context=4096, max_new_tokens=256, max_turns=100,
+                        decode_chunk=16, dense_buckets=False)
+    rows = []
+    times = CallTimes(decode=lambda r, dense, steps: rows.append(r) or 1.0, extend=lambda r, width, dense: 0.0)
+    short = Conversation(10, [16, 16], [5], [0.0])  # one chunk per turn
+    long = Conversation(10, [160], [], [])            # ten chunks
+    run = simulate([short, long], schedule, times)
+    # the short one's reply is posted during step 1, so its second turn decodes in step 2
+    assert rows == [2, 1, 2, 1, 1, 1, 1, 1, 1, 1] and run.steps == 10
+    assert sorted(run.lengths) == [10 + 16 + 5 + 16, 10 + 160]
+    alone = simulate([Conversation(10, [16, 16], [5], [3.0])], schedule, times)
+    assert alone.steps == 2 and alone.wait_s == pytest.approx(3.0) and alone.seconds == pytest.approx(2.0 + 3.0)
+    # while the long one decodes, the 3 s of latency pass under its steps
+    rows.clear()
+    both = simulate([Conversation(10, [16, 16], [5], [3.0]), long], schedule, times)
+    assert both.wait_s == 0.0 and both.seconds == pytest.approx(10.0) and rows[:5] == [2, 1, 1, 1, 2]
+
+
+def test_extends_group_by_width_fixed_rows_each_at_its_own_width():
+    fixed = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=10, call_rows=4,
+                     widths=(32, 128, 512), max_extend_tokens=1024)
+    calls = extend_calls([(0, 20), (0, 100), (0, 30)], fixed)
+    assert [(rows, width) for rows, width, _ in calls] == [(4, 32), (4, 128)]
+    bucketed = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=10,
+                        widths=(32, 128, 512), max_extend_tokens=1024)
+    calls = extend_calls([(0, 20), (0, 100), (0, 30)], bucketed)
+    assert [(rows, width) for rows, width, _ in calls] == [(4, 128)]  # 3 rows bucketed to 4, the widest's width
+    # a prompt wider than the widest width: in chunks, each gathering the power-of-two pages it reaches
+    assert extend_calls([(0, 1100)], bucketed) == [(1, 512, 512), (1, 512, 1024), (1, 128, 2048)]
+
+
+def test_predict_step_prices_the_compiled_shapes_and_scales_the_turns():
+    plan = _plan()
+    settings = step_settings(plan, _rollout())
+    short = predict_step(plan, _profile(4.0), RATES, settings, samples=2)
+    long = predict_step(plan, _profile(8.0), RATES, settings, samples=2)
+    assert long["rollout"]["decode_calls"] == pytest.approx(2 * short["rollout"]["decode_calls"], rel=0.1)
+    assert long["rollout_s"] > 1.5 * short["rollout_s"]
+    # a decode call of every slot over the whole context is the compiled one
+    from muajax.planning.step_time import _EngineModel, extend_program_rows
+    programs = {p.name: p for p in plan.programs}
+    engine = _EngineModel(programs, plan.cfg, RATES, settings.schedule, 8, extend_program_rows(settings.schedule, 8))
+    assert engine.decode(8, 1024, 16) == pytest.approx(RATES.seconds(2e9, 1e9))
+    assert engine.decode(8, 1024, 8) < engine.decode(8, 1024, 16)
+    assert engine.decode(8, 256, 16) < engine.decode(8, 1024, 16)
+
+
+def test_an_engine_reading_the_params_in_place_syncs_nothing_and_a_copy_costs_its_bytes():
+    profile = _profile(4.0)
+    inplace = predict_step(_plan(0), profile, RATES, step_settings(_plan(0), _rollout()), samples=1)
+    assert inplace["sync_s"] == 0.0
+    copied = predict_step(_plan(10**9), profile, RATES, step_settings(_plan(10**9), _rollout()), samples=1)
+    assert copied["sync_s"] == pytest.approx(1e-3 + 2 * 1e9 / 1e11)
+    assert copied["step_s"] == pytest.approx(copied["rollout_s"] + copied["sync_s"] + copied["update_s"])
+
+
+def test_the_update_is_its_program_per_mini_batch_and_epoch_at_the_batch_s_length():
+    plan = _plan(grpo=GRPOConfig(kl_coef=0.001, minibatch_size=4, ppo_epochs=2, recompute_old_logprobs=True))
+    s = step_settings(plan, _rollout())
+    assert (s.updates_per_epoch, s.ppo_epochs, s.recompute) == (2, 2, True)
+    grpo = next(p for p in plan.programs if p.name == "grpo step")
+    full = update_seconds(grpo, plan.cfg, RATES, s, 1024)
+    assert full["calls"] == 4 and full["per_call_s"] == pytest.approx(RATES.seconds(4e12, 1e11))
+    assert 0 < full["recompute_s"] < 2 * full["per_call_s"]
+    assert full["seconds"] == pytest.approx(4 * full["per_call_s"] + full["recompute_s"])
+    assert update_seconds(grpo, plan.cfg, RATES, s, 512)["per_call_s"] < full["per_call_s"]
+    # the step's longest row sets the bucket: short conversations update at 512
+    short = predict_step(plan, _profile(2.0), RATES, s, samples=1)
+    assert short["update"]["length"] == 512 and short["update_mfu"] > 0
+
+
+def test_measured_takes_the_medians_of_a_run(tmp_path):
+    records = [{"step": i, "time/rollout_s": r, "time/update_s": u, "perf/update_s": u - 1}
+               for i, (r, u) in enumerate([(10.0, 9.0), (12.0, 3.0), (11.0, 4.0)], 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    seen = measured(str(tmp_path))
+    assert seen == {"steps": 3, "time/rollout_s": 11.0, "time/update_s": 4.0, "perf/update_s": 3.0}
+    assert np.isfinite(seen["time/rollout_s"])
+
+
+def test_the_useful_flops_are_counted_as_the_trainer_counts_its_mfu():
+    from muajax.planning.step_time import useful_flops
+    from muajax.train.step_metrics import real_token_flops
+
+    plan = _plan(grpo=GRPOConfig(kl_coef=0.001, minibatch_size=4, ppo_epochs=2, recompute_old_logprobs=True))
+    s = step_settings(plan, _rollout())
+    lengths = [300, 500, 700, 900]
+    for prefix in (0, 200):
+        s2 = type(s)(**{**s.__dict__, "shared_prefix": prefix})
+        passes = 4.0 * 2 + 1.0
+        want = real_token_flops(TINY_CONFIG, lengths, passes=passes, shared_prefix=prefix,
+                                prefix_runs=s.updates_per_epoch * s.microbatches)
+        assert useful_flops(TINY_CONFIG, lengths, s2) == pytest.approx(want)
+
+
+def test_this_host_s_rates_come_from_microbenchmarks():
+    from muajax.planning.host_rates import measure_host_rates
+
+    rates = measure_host_rates(devices=2)
+    assert rates.peak_flops > 1e8 and rates.mem_bytes_per_s > 1e8 and 0 < rates.dispatch_s < 0.1
+    assert not rates.overlap and "measured here" in rates.source
