@@ -24,8 +24,10 @@ def test_an_entry_marks_its_file_its_test_or_its_parametrization_and_nothing_els
 def test_an_entry_that_names_no_collected_test_stops_the_run(monkeypatch):
     monkeypatch.setattr(conftest, "SLOW", {"tests/b.py::test_renamed": 1, "tests/z.py::test_elsewhere": 1})
     with pytest.raises(pytest.UsageError, match="tests/b.py::test_renamed"):
-        conftest._check_entries(items("tests/b.py::test_x", "tests/b.py::test_y"))
-    conftest._check_entries(items("tests/a.py::test_x"))  # an uncollected file's entries are not judged
+        conftest._check_entries(items("tests/b.py::test_x", "tests/b.py::test_y"), ["tests"])
+    conftest._check_entries(items("tests/a.py::test_x"), ["tests"])  # an uncollected file's entries are not judged
+    # one test of a file asked for by its id: the file's other entries are not judged
+    conftest._check_entries(items("tests/b.py::test_x"), ["tests/b.py::test_x"])
 
 
 def test_every_slow_entry_is_a_path_under_tests_with_its_seconds():

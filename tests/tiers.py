@@ -47,6 +47,7 @@ SLOW = {
     "tests/planning/test_sweep.py::test_a_stopped_sweep_resumes_where_it_was": 104,
     "tests/planning/test_sweep.py::test_other_remats_are_tried_on_the_fastest_meshes_only": 83,
     "tests/planning/test_sweep.py::test_sweep_ranks_prunes_and_writes": 52,
+    "tests/planning/test_sweep.py::test_with_a_rollout_profile_meshes_rank_by_the_whole_step": 29,
     "tests/test_plan.py::test_plan_a_run_config_as_the_trainer_runs_it": 20,
     "tests/test_plan.py::test_the_configs_engine_pool_is_planned": 19,
     "tests/test_plan.py::test_too_big_exits_1": 18,

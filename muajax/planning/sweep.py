@@ -1,5 +1,6 @@
 """Sweep meshes x remat policies for one model, batch, sequence length and topology, and
-rank them by the GRPO update's estimated step time.
+rank them by the whole GRPO step's predicted time (rollout + weight sync + update, with a
+rollout profile: `sweep_step`), or without one by the update's roofline estimate.
 
 Every factorization of the device count over `parallel.MESH_AXES` (so an axis added there
 is swept too) is tried with the first remat policy; the others are tried on the fastest few
@@ -14,7 +15,8 @@ saved dots include the scores) and one microbatch's LM-head logits (compute dtyp
 the einsum attention (`cfg.attention == "xla"`); the others (splash on TPU, chunked,
 cuDNN) never hold the [T, T] scores, so it is dropped for them. The rest are compiled with the TPU compiler's early
 out-of-memory exit. Only the update program is compiled (with the KV cache resident if it
-is kept); plan the chosen mesh with `--mesh` to compile the engine's programs too.
+is kept), and with a rollout profile the engine's programs once (they run on the engine's
+mesh, whatever the train mesh).
 
 With `settings.grpo.microbatch_size` unset, each mesh gets one row per batch-sharded device per
 microbatch (the smallest microbatch it can run without padding).
@@ -41,6 +43,9 @@ from muajax.planning.compile import COLLECTIVE_SHORT
 from muajax.planning.planner import PlanSettings, plan_run
 from muajax.planning.programs import engine_programs, grpo_program
 from muajax.planning.report import fmt_bytes, fmt_seconds
+from muajax.planning.sweep_step import engine_costs, with_step
+
+STEP_KEYS = ("rollout_s", "sync_s", "update_s", "step_s")
 
 
 def mesh_candidates(num_devices: int, axes: tuple[str, ...] = parallel.MESH_AXES) -> list[dict[str, int]]:
@@ -91,6 +96,7 @@ class SweepRow:
     costs: dict | None = None
     compile_s: float = 0.0
     note: str = ""
+    step: dict | None = None      # with a rollout profile: rollout_s, sync_s, update_s, step_s (predict_step)
 
     def flat(self) -> dict:
         line = self.roofline or {}
@@ -103,20 +109,30 @@ class SweepRow:
                 "memory_s": line.get("memory_s"), "collective_s": line.get("collective_s"),
                 "bound": line.get("bound"), "flops": costs.get("flops"), "bytes_accessed": costs.get("bytes_accessed"),
                 **{short: coll.get(kind) for kind, short in COLLECTIVE_SHORT.items()},
-                "compile_s": round(self.compile_s, 2), "note": self.note}
+                "compile_s": round(self.compile_s, 2), "note": self.note,
+                **{k: (self.step or {}).get(k) for k in STEP_KEYS}}
 
 
 def _label(row: SweepRow) -> str:
     return " ".join(f"{a[0]}{n}" for a, n in row.mesh.items()) + f" {row.remat}"
 
 
+def seconds(row: SweepRow) -> float:
+    """What a sweep ranks by: the whole step's predicted seconds where it has a rollout
+    profile, else the update's roofline estimate."""
+    if row.step:
+        return row.step["step_s"]
+    return (row.roofline or {}).get("estimate_s", math.inf)
+
+
 def _rank(rows: list[SweepRow]) -> list[SweepRow]:
     order = {"fits": 0, "too big": 1, "pruned": 2, "no mesh": 3}
-    return sorted(rows, key=lambda r: (order[r.status], (r.roofline or {}).get("estimate_s", math.inf),
-                                       r.per_device_bytes))
+    return sorted(rows, key=lambda r: (order[r.status], seconds(r), r.per_device_bytes))
 
 
-def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm) -> SweepRow:
+def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm, whole=None) -> SweepRow:
+    """One configuration's row; `whole` = (EngineCosts, profile, rollout config) adds the
+    rollout and sync phases and ranks it by the predicted step (`sweep_step`)."""
     settings = dataclasses.replace(settings, phases=("update",), exact_oom=False)
     try:  # as the trainer builds it: jax.make_mesh maps each axis onto whole physical torus axes
         k = settings.layout(cfg, parallel.make_mesh(**mesh, devices=devices)).microbatches
@@ -130,20 +146,49 @@ def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm) -> Sweep
     plan = plan_run(cfg, devices=devices, mesh=mesh, settings=settings, label=label, topology=topology, chip=chip,
                     hbm_bytes=hbm)
     step = plan.programs[0]
+    predicted = None
+    if whole is not None and step.error is None:
+        plan, prediction = with_step(plan, whole[0], devices, *whole[1:])
+        predicted = {k: prediction[k] for k in STEP_KEYS + ("tokens_per_s_per_chip", "update_mfu")}
     status = "too big" if step.error or plan.fits is False else "fits"
     row = SweepRow(mesh, cfg.remat, k, status, plan.per_device_bytes, step.error is not None,
-                   plan.rooflines().get(step.name), step.to_json(), time.perf_counter() - start, step.error or "")
+                   plan.rooflines().get(step.name), step.to_json(), time.perf_counter() - start, step.error or "",
+                   predicted)
     jax.clear_caches()  # each configuration compiles once: jax's caches would only grow (5.6 GB over 10 compiles)
     return row
 
 
+def mesh_settings(settings: PlanSettings, mesh: dict[str, int]) -> PlanSettings:
+    """Without a microbatch size: one row per batch-sharded device per microbatch."""
+    if settings.grpo.microbatch_size is not None:
+        return settings
+    per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
+    return dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo, microbatch_size=per))
+
+
+def first_engine_costs(cfg, label, candidates, devices, settings, topology, chip, hbm_bytes, log):
+    """The engine's programs compiled on the first mesh that can be laid out."""
+    for mesh in candidates:
+        run_settings = mesh_settings(settings, mesh)
+        try:
+            run_settings.layout(cfg, parallel.make_mesh(**mesh, devices=devices))
+        except (NotImplementedError, ValueError):
+            continue
+        log("sweep: compiling the engine's programs once (they run on the engine's mesh, whatever the train mesh)")
+        return engine_costs(cfg, devices=devices, mesh=mesh, settings=run_settings, label=label, topology=topology,
+                            chip=chip, hbm_bytes=hbm_bytes, log=log)
+    raise ValueError("sweep: no mesh can be laid out on these devices")
+
+
 def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSettings, remats: tuple[str, ...],
               topology: str, chip: Chip | None, hbm_bytes: int | None, out_dir: str,
-              meshes: list[dict[str, int]] | None = None, refine: int | None = None,
-              log: Callable[[str], None] = lambda _: None) -> dict:
+              meshes: list[dict[str, int]] | None = None, refine: int | None = None, profile=None,
+              rollout=None, log: Callable[[str], None] = lambda _: None) -> dict:
     """Plan every mesh (default: `mesh_candidates`) with remats[0], then the other remat
     policies on the `refine` meshes that rank fastest among those that fit (every mesh when
-    refine is None); write sweep.csv, sweep.json and sweep.png into out_dir.
+    refine is None); write sweep.csv, sweep.json and sweep.png into out_dir. With a rollout
+    `profile` (and the run's `rollout` config), each mesh is ranked by its whole predicted
+    GRPO step, the engine's programs compiled once (`sweep_step`); else by its update.
 
     Two stages because a compile at the paper's scale takes 40-90 s on a small machine and
     the mesh decides the collectives, which dominate the estimate; the remat policy mostly
@@ -157,19 +202,22 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
     os.makedirs(out_dir, exist_ok=True)
     journal = Journal(os.path.join(out_dir, "sweep.partial.jsonl"),
                       {"model": label, "cfg": repr(cfg), "topology": topology, "devices": len(devices),
-                       "hbm_bytes": hbm_bytes, "settings": repr(settings)}, log)
+                       "hbm_bytes": hbm_bytes, "settings": repr(settings),
+                       "profile": getattr(profile, "name", None)}, log)
+    whole = None
+    if profile is not None:
+        costs = first_engine_costs(cfg, label, candidates, devices, settings, topology, chip, hbm_bytes, log)
+        whole = (costs, profile, rollout)
 
     def plan(mesh: dict[str, int], remat: str) -> SweepRow:
-        run_settings = settings
-        if settings.grpo.microbatch_size is None:  # one row per batch-sharded device per microbatch
-            per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
-            run_settings = dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo, microbatch_size=per))
+        run_settings = mesh_settings(settings, mesh)
         row = journal.done.get(_key(mesh, remat))
         if row is None:
-            row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip, hbm_bytes)
+            row = _evaluate(cfg.replace(remat=remat), label, mesh, devices, run_settings, topology, chip, hbm_bytes,
+                            whole)
             journal.add(row)
         log(f"  {_label(row):<24} {row.status:<8} {fmt_bytes(row.per_device_bytes):>12}"
-            + (f"  {fmt_seconds(row.roofline['estimate_s'])}" if row.roofline else "")
+            + (f"  {fmt_seconds(seconds(row))}" if math.isfinite(seconds(row)) else "")
             + (f"  compiled in {row.compile_s:.0f} s" if row.compile_s else ""))
         return row
 
@@ -193,7 +241,7 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
                "wall_s": round(time.perf_counter() - start, 1), **paths}
     log(f"{pruned} of {len(rows)} configurations pruned by the analytic lower bound before compiling, "
         f"{count['no mesh']} meshes jax.make_mesh cannot lay on the slice; {summary['compiled']} compiled in "
-        f"{summary['wall_s']:.0f} s. Rollout programs are not compiled in a sweep: plan the chosen mesh with --mesh.")
+        f"{summary['wall_s']:.0f} s." + ("" if whole else " Without --rollout-profile the update alone is ranked."))
     return {"summary": summary, "rows": [r.flat() for r in ranked]}
 
 
@@ -241,14 +289,22 @@ class Journal:
 
 
 def table(rows: list[SweepRow], hbm_bytes: int | None) -> str:
-    lines = [f"{'mesh / remat':<26}{'status':<9}{'per device':>13}{'estimate':>12}{'serial':>12}  bound"]
+    stepped = any(r.step for r in rows)
+    head = f"{'mesh / remat':<26}{'status':<9}{'per device':>13}{'estimate':>12}{'serial':>12}  {'bound':<11}"
+    lines = [head + (f"{'rollout':>10}{'sync':>10}{'update':>10}{'step':>10}" if stepped else "")]
     for r in rows:
         line = r.roofline or {}
         est = fmt_seconds(line["estimate_s"]) if line else "-"
         serial = fmt_seconds(line["serial_s"]) if line else "-"
         prefix = ">= " if r.lower_bound else ""
-        lines.append(f"{_label(r):<26}{r.status:<9}{prefix + fmt_bytes(r.per_device_bytes):>13}{est:>12}{serial:>12}"
-                     f"  {line.get('bound', '')}")
+        text = (f"{_label(r):<26}{r.status:<9}{prefix + fmt_bytes(r.per_device_bytes):>13}{est:>12}{serial:>12}"
+                f"  {line.get('bound', ''):<11}")
+        if r.step:
+            text += "".join(f"{fmt_seconds(r.step[k]):>10}" for k in STEP_KEYS)
+        lines.append(text)
+    if stepped:
+        lines.append("estimate / serial: the update's roofline; rollout, sync, update, step: the whole GRPO step "
+                     "predicted for the rollout profile (ranked by step)")
     if hbm_bytes:
         lines.append(f"usable HBM per device {fmt_bytes(hbm_bytes)}")
     return "\n".join(lines)
@@ -263,7 +319,8 @@ def write_outputs(rows: list[SweepRow], out_dir: str, label: str, topology: str,
         writer.writerows(flat)
     with open(json_path, "w") as f:
         json.dump({"model": label, "topology": topology, "hbm_bytes": hbm_bytes, "rows": flat}, f, indent=1)
-    chart(rows, png_path, f"{label} on {topology}: GRPO update", hbm_bytes)
+    what = "GRPO step" if any(r.step for r in rows) else "GRPO update"
+    chart(rows, png_path, f"{label} on {topology}: {what}", hbm_bytes)
     return {"csv": csv_path, "json": json_path, "png": png_path}
 
 
@@ -276,8 +333,18 @@ def chart(rows: list[SweepRow], path: str, title: str, hbm_bytes: int | None) ->
     fig = Figure(figsize=(13, 0.35 * len(shown) + 1.8))
     left, right = fig.subplots(1, 2, sharey=True)
     y = range(len(shown))
-    left.barh(y, [(r.roofline or {}).get("estimate_s", 0.0) for r in shown], color=colors)
-    left.set_xlabel("estimated step time, s\n(roofline: slowest of compute, HBM, collectives)")
+    if any(r.step for r in shown):  # the whole step, stacked by phase
+        base = [0.0] * len(shown)
+        for key, color in zip(STEP_KEYS[:3], ("tab:blue", "tab:orange", "tab:green")):
+            widths = [(r.step or {}).get(key, 0.0) for r in shown]
+            left.barh(y, widths, left=base, color=color, label=key.removesuffix("_s"),
+                      edgecolor=["none" if r.status == "fits" else "tab:red" for r in shown])
+            base = [b + w for b, w in zip(base, widths)]
+        left.legend(loc="lower right")
+        left.set_xlabel("predicted GRPO step, s (rollout + sync + update)\n(red edge: does not fit)")
+    else:
+        left.barh(y, [(r.roofline or {}).get("estimate_s", 0.0) for r in shown], color=colors)
+        left.set_xlabel("estimated update time, s\n(roofline: slowest of compute, HBM, collectives)")
     right.barh(y, [r.per_device_bytes / 2**30 for r in shown], color=colors)
     if hbm_bytes:
         right.axvline(hbm_bytes / 2**30, color="black", linestyle="--", label="usable HBM")
