@@ -206,15 +206,22 @@ class RolloutProfile:
         agent, draws = n["agent_turns"], n["draws"]
         first = Distribution.of(n["firsts"])
         context = n["sequence_tokens"] - n["response_tokens"] - n["system"] - first.mean - agent * n["overhead"]
-        per_reply = Distribution(max(context / max(agent - 1.0, 1e-9), 0.0))
+        per_reply = max(context / max(agent - 1.0, 1e-9), 0.0)
+        per_turn = n["response_tokens"] / max(agent, 1e-9)
+        tools = users = Distribution(per_reply)
+        turn_tokens = Distribution(per_turn)
+        if n["shapes"]:  # the spread and the tool/user split of the run's own conversations, at its means
+            shape, share = n["shapes"], min(n["tool_turns"] / max(agent, 1e-9), 1.0)
+            mixed = share * np.mean(shape["tool"]) + (1 - share) * np.mean(shape["user"])
+            tools, users = (Distribution.of(np.asarray(shape[k]) * per_reply / mixed) for k in ("tool", "user"))
+            turn_tokens = Distribution.of(np.asarray(shape["agent"]) * per_turn / np.mean(shape["agent"]))
 
         def spread(mean, longest):
             return Distribution(mean) if longest is None else Distribution.uniform(mean, longest, draws)
 
         return cls(name=n["name"], system_tokens=n["system"], first_user_tokens=first,
                    agent_turns=spread(agent, n["longest_agent_turns"]), tool_turns=Distribution(n["tool_turns"]),
-                   agent_turn_tokens=Distribution(n["response_tokens"] / max(agent, 1e-9)),
-                   user_turn_tokens=per_reply, tool_result_tokens=per_reply,
+                   agent_turn_tokens=turn_tokens, user_turn_tokens=users, tool_result_tokens=tools,
                    user_latency_s=Distribution(n["user_latency_s"]),
                    sequence_tokens=spread(n["sequence_tokens"], n["longest_sequence_tokens"]),
                    turn_overhead_tokens=n["overhead"], tool_calls_per_turn=1.0, conversations=draws * n["steps"],

@@ -118,6 +118,10 @@ class _Live:
     ready: float = 0.0                 # when the pending reply arrives
     finished_step: int = -2            # the engine step its last turn finished in
     sampled: int = 0                   # tokens sampled so far
+    budget: int = 0                    # tokens the current turn may sample
+
+    def turn_sampled(self) -> int:
+        return min(self.conv.sampled[self.turn], self.budget) - self.left
 
 
 @dataclasses.dataclass
@@ -189,8 +193,8 @@ def _price_extends(run: RolloutRun, todo, schedule: Schedule, times: CallTimes) 
 
 
 def _start_turn(live: _Live, schedule: Schedule) -> None:
-    budget = max(1, min(schedule.max_new_tokens, schedule.max_context - live.length))
-    live.left = min(live.conv.sampled[live.turn], budget)
+    live.budget = max(1, min(schedule.max_new_tokens, schedule.max_context - live.length))
+    live.left = min(live.conv.sampled[live.turn], live.budget)
 
 
 def _engine_step(gen: list[_Live], schedule: Schedule, times: CallTimes, run: RolloutRun) -> float:
@@ -199,7 +203,9 @@ def _engine_step(gen: list[_Live], schedule: Schedule, times: CallTimes, run: Ro
     extend = _price_extends(run, todo, schedule, times)
     advance = [min(x.left, schedule.decode_chunk) for x in gen]
     steps = max(advance)
-    dense = schedule.dense(max(x.length - 1 + a for x, a in zip(gen, advance)))
+    # a row's pages cover its chunk's allowance (what its budget allows, not what it samples)
+    reach = max(x.length - 1 + min(schedule.decode_chunk, x.budget - x.turn_sampled()) for x in gen)
+    dense = schedule.dense(min(reach, schedule.max_context))
     decode = 0.0
     for rows in _calls_per_round(len(gen), schedule):
         decode += times.decode(rows, dense, steps)

@@ -21,6 +21,7 @@ from muajax.agent.chat import after_assistant_ids, generation_prompt_ids, system
 
 KEYS = ("assistant_turns", "turns", "response_tokens", "sequence_tokens")
 METRICS_FILE = "metrics.jsonl"  # muajax.train.metrics.JSONL_NAME
+SFT_FILE = "sft.jsonl"  # the run's cold-start conversations (muajax.train.sft), when it made them
 
 
 class ProfileError(ValueError):
@@ -74,6 +75,36 @@ def read_records(run_dir: str) -> list[dict]:
     return records
 
 
+def message_tokens(path: str, tok) -> dict[str, list[int]]:
+    """Tokens of each message of a conversations file (a run's sft.jsonl: OpenAI-style
+    messages) as the rollout feeds or samples them: "agent" per assistant message (its text
+    and tool calls, `<|im_end|>` included), "tool" per turn of consecutive tool results,
+    "user" per user message after the first."""
+    from muajax.agent.assistant_format import assistant_text
+    from muajax.agent.chat import tool_response_ids
+    from muajax.domains.base import ToolCall
+
+    out: dict[str, list[int]] = {"agent": [], "tool": [], "user": []}
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            messages = json.loads(line).get("messages") or []
+            results: list[str] = []
+            for i, m in enumerate(messages + [{"role": "end"}]):
+                if m["role"] != "tool" and results:
+                    out["tool"].append(len(tool_response_ids(tok, results)))
+                    results = []
+                if m["role"] == "tool":
+                    results.append(str(m.get("content") or ""))
+                elif m["role"] == "user" and i > 0:
+                    out["user"].append(len(user_turn_ids(tok, str(m.get("content") or ""))))
+                elif m["role"] == "assistant":
+                    calls = [ToolCall(c["function"]["name"], json.loads(c["function"].get("arguments") or "{}"))
+                             for c in m.get("tool_calls") or []]
+                    text = assistant_text(m.get("content"), calls)
+                    out["agent"].append(len(tok.encode(text, add_special_tokens=False)) + 1)
+    return out
+
+
 def _mean(records, key: str) -> float:
     return statistics.fmean(float(r[key]) for r in records)
 
@@ -95,6 +126,12 @@ def run_numbers(run_dir: str, *, skip_first: int = 0) -> dict:
     if not os.path.isfile(config):
         raise ProfileError(f"{run_dir}: no config.yaml: the system prompt's tokens need the run's domain")
     system, firsts, overhead = prompt_tokens(config)
+    shapes, conversations = None, os.path.join(run_dir, SFT_FILE)
+    if os.path.isfile(conversations):
+        from muajax.models.tokenizer import load_tokenizer
+        shapes = message_tokens(conversations, load_tokenizer())
+        if not all(shapes.values()):
+            shapes = None
     agent, resp, seq = (_mean(records, k) for k in ("assistant_turns", "response_tokens", "sequence_tokens"))
     latency = [float(r["user_latency_s"]) for r in records if "user_latency_s" in r]
     tool_calls = statistics.fmean(sum(v for k, v in r.items() if k.startswith("calls/")) for r in records)
@@ -106,14 +143,17 @@ def run_numbers(run_dir: str, *, skip_first: int = 0) -> dict:
         "tool_turns": min(tool_calls, agent), "response_tokens": resp, "sequence_tokens": seq,
         "longest_agent_turns": _longest(records, "assistant_turns"),
         "longest_sequence_tokens": _longest(records, "sequence_tokens"),
-        "user_latency_s": statistics.fmean(latency) if latency else 0.0,
+        "user_latency_s": statistics.fmean(latency) if latency else 0.0, "shapes": shapes,
         "sources": {
             "agent_turns": f"{where}: assistant_turns (mean of the step means); spread: uniform, its expected "
                            "largest the median step's longest/assistant_turns where logged",
             "tool_turns": f"{where}: calls/* per conversation, one call per tool turn",
-            "agent_turn_tokens": f"{where}: response_tokens / assistant_turns",
+            "agent_turn_tokens": f"{where}: response_tokens / assistant_turns" + (
+                f"; spread: {conversations}'s assistant messages scaled to that mean" if shapes else ""),
             "tool_result_tokens": f"{where}: sequence_tokens less the prompt, the sampled tokens and the turn "
-                                  "template, over the replies (tool results and user replies alike)",
+                                  "template, over the replies" + (
+                f"; split between tool results and user replies, and spread, as {conversations}'s are, scaled "
+                "to that mean" if shapes else " (tool results and user replies alike)"),
             "user_turn_tokens": "as tool_result_tokens",
             "user_latency_s": f"{where}: user_latency_s",
             "sequence_tokens": f"{where}: sequence_tokens; spread from longest/sequence_tokens where logged",

@@ -84,6 +84,9 @@ class StepSettings:
     buckets: tuple[int, ...] = ()
     shared_prefix: int = 0           # tokens the update computes once per microbatch
     compiled_length: int = 0         # the length the plan compiled the update at
+    # what one update executes by the model's count (the plan's analytic_flops["grpo"], per
+    # device), for a compiled program with loops of unknown trip count (`missing_loops`)
+    executed_flops: float = 0.0
     hosts: int = 1
 
 
@@ -165,6 +168,16 @@ def useful_flops(cfg, lengths, s: StepSettings) -> float:
     return passes * (rows + prefix)
 
 
+def missing_loops(cost: ProgramCost, executed_flops: float) -> float:
+    """How much more the program does than its compiled counts say: where the HLO gives a
+    loop no trip count (the chunked attention's key loop on XLA:CPU) its body is counted
+    once, so the counts are scaled by the model's executed FLOPs over the compiled ones (the
+    missing iterations taken to read and write as the rest of the program does); 1 when
+    every loop is counted or the compiled count is the larger."""
+    unknown = any(loop.get("trips") is None for loop in cost.loops)
+    return max(executed_flops / cost.flops, 1.0) if unknown and cost.flops > 0 and executed_flops else 1.0
+
+
 def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length: int,
                    recompute_cost: ProgramCost | None = None) -> dict:
     """The step's updates at padded `length`: each update call rescaled from the compiled
@@ -172,13 +185,16 @@ def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length
     own compiled program (`old logprobs`) by the forward's FLOPs, or where the plan has none
     from the update's cost by the forward's share of the step's FLOPs."""
     ratio = _train_flops(cfg, s.update_rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
+    ratio *= missing_loops(cost, s.executed_flops)
     per_call = rates.seconds(cost.flops * ratio, cost.bytes_accessed * ratio, moved_bytes(cost) * ratio)
     calls = s.ppo_epochs * s.updates_per_epoch
     recompute = 0.0
     if s.recompute:
         forward = _train_flops(cfg, s.update_rows, length, s, forward_only=True)
         if recompute_cost is not None:
-            r = forward / _train_flops(cfg, s.update_rows, s.compiled_length, s, forward_only=True)
+            forward0 = _train_flops(cfg, s.update_rows, s.compiled_length, s, forward_only=True)
+            r = forward / forward0 * missing_loops(recompute_cost, s.executed_flops * forward0 / _train_flops(
+                cfg, s.update_rows, s.compiled_length, s))
             one = rates.seconds(recompute_cost.flops * r, recompute_cost.bytes_accessed * r,
                                 moved_bytes(recompute_cost) * r)
         else:

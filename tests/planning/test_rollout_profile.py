@@ -96,6 +96,28 @@ def test_from_run_reads_the_means_the_longest_rows_and_the_domain_prompt(tmp_pat
     assert RolloutProfile.load(run).to_json() == profile.to_json()  # a run directory loads as its profile
 
 
+def test_from_run_takes_the_spread_and_the_tool_user_split_from_the_run_s_conversations(tmp_path):
+    records = [{"step": 1, "assistant_turns": 5.0, "turns": 4.0, "response_tokens": 100.0, "sequence_tokens": 1400.0,
+                "num_seqs": 8, "calls/find_user": 2.0}]
+    run = _run_dir(tmp_path, records)
+    call = {"id": "c", "type": "function", "function": {"name": "find_user", "arguments": '{"name": "A B"}'}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Your name?"},
+                {"role": "user", "content": "A B, zip 12345, and please hurry up"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": '{"user_id": "u01", "orders": ["#o1", "#o2"]}'},
+                {"role": "assistant", "content": "Done."}]
+    plain = RolloutProfile.from_run(run)  # no conversations: one mean for every reply
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    profile = RolloutProfile.from_run(run)
+    share = profile.tool_share  # 2 tool turns of 5
+    mixed = share * profile.tool_result_tokens.mean + (1 - share) * profile.user_turn_tokens.mean
+    assert mixed == pytest.approx(plain.tool_result_tokens.mean)  # the run's mean, split as its conversations
+    assert profile.tool_result_tokens.mean > profile.user_turn_tokens.mean  # the tool result is the longer
+    assert profile.agent_turn_tokens.mean == pytest.approx(20.0) and plain.agent_turn_tokens.percentiles == {}
+    assert profile.agent_turn_tokens.percentiles[0.0] < profile.agent_turn_tokens.percentiles[100.0]
+    assert "sft.jsonl" in profile.sources["tool_result_tokens"]
+
+
 def test_from_run_without_grpo_records_says_so(tmp_path):
     run = _run_dir(tmp_path, [{"step": 1, "loss": 0.5}])
     with pytest.raises(ProfileError, match="no GRPO step records"):

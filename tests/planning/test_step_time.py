@@ -175,3 +175,15 @@ def test_this_host_s_rates_come_from_microbenchmarks():
     rates = measure_host_rates(devices=2)
     assert rates.peak_flops > 1e8 and rates.mem_bytes_per_s > 1e8 and 0 < rates.dispatch_s < 0.1
     assert not rates.overlap and "measured here" in rates.source
+
+
+def test_an_update_whose_loops_the_hlo_does_not_count_is_scaled_to_the_model_s_executed_flops():
+    plan = _plan()
+    s = step_settings(plan, _rollout())
+    counted = _cost("grpo step", 1e12, 1e11)
+    uncounted = ProgramCost("grpo step", "cpu", {}, {}, flops=1e12, bytes_accessed=1e11,
+                            loops=[{"computation": "attention", "trips": None, "runs": 8.0}])
+    s2 = type(s)(**{**s.__dict__, "executed_flops": 3e12})
+    assert update_seconds(counted, plan.cfg, RATES, s2, 1024)["per_call_s"] == pytest.approx(RATES.seconds(1e12, 1e11))
+    assert update_seconds(uncounted, plan.cfg, RATES, s2, 1024)["per_call_s"] == pytest.approx(
+        RATES.seconds(3e12, 3e11))
