@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         from muajax.planning.calibration import step_report
         rollout = load_config(args.config, args.set).rollout if args.config else None
         summary["step_time"], lines = step_report(plan, profile=args.rollout_profile, run_dir=args.calibrate,
-                                                  rollout=rollout)
+                                                  rollout=rollout, hosts=len({d.process_index for d in devices}))
         print("\n".join(lines))
     print(json.dumps(summary))
     if plan.fits is False:

@@ -16,21 +16,40 @@ from __future__ import annotations
 import os
 import statistics
 
+from muajax import parallel
 from muajax.agent.rollout_config import RolloutConfig
 from muajax.planning.rollout_profile import ProfileError, RolloutProfile
 from muajax.planning.rollout_schedule import Schedule
 from muajax.planning.run_profile import read_records
 from muajax.planning.step_time import Rates, StepSettings, predict_step, summary_lines
+from muajax.runtime.rollout_engine import default_shape
 
 TOLERANCE = 0.35  # the calibration's bar: each phase's prediction within 35% of the measured median
 
 
-def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1, shards: int = 1) -> StepSettings:
+def engine_shards(plan, rollout: RolloutConfig, hosts: int) -> int:
+    """The batch shards of one host's engine mesh (`muajax.runtime.rollout_engine.engine_mesh`):
+    the training mesh's on a CPU, else `rollout.mesh` or the default tensor-parallel layout."""
+    per_host = max(plan.devices // hosts, 1)
+    if rollout.mesh is None and plan.chip is None:
+        return max(plan.mesh.get("data", 1) * plan.mesh.get("fsdp", 1) // hosts, 1)
+    if rollout.mesh is None:
+        data, fsdp, _, _ = default_shape(plan.compiler, per_host, plan.cfg)
+        return data * fsdp
+    m = rollout.mesh
+    data, fsdp, _, _ = parallel.resolve_mesh_shape(m.data, m.fsdp, m.tensor, 1, per_host)
+    return data * fsdp
+
+
+def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1,
+                  shards: int | None = None) -> StepSettings:
     """What `predict_step` needs beyond the plan: the engine's schedule (from the plan's
     engine settings and `rollout`, the run's rollout config; default: its defaults at the
-    plan's context) and the update's shape (the plan's GRPO rows)."""
+    plan's context; `hosts`: the processes of the slice, each with its own engine) and the
+    update's shape (the plan's GRPO rows)."""
     s, e = plan.settings, plan.settings.engine_settings
     r = rollout or RolloutConfig.for_engine(e.max_len)
+    shards = shards or engine_shards(plan, r, hosts)
     pallas = plan.compiler == "tpu" and e.attention in ("auto", "pallas")
     conversations = -(-s.batch // hosts)
     slots = max(-(-e.num_slots // hosts), getattr(e, "eval_slots", 0))  # RunContext.engine_slots
@@ -82,13 +101,13 @@ def measured(run_dir: str) -> dict:
 
 
 def calibrate(plan, run_dir: str, *, rates: Rates | None = None, profile: RolloutProfile | None = None,
-              rollout: RolloutConfig | None = None, samples: int = 8) -> tuple[dict, list[str]]:
+              rollout: RolloutConfig | None = None, samples: int = 8, hosts: int = 1) -> tuple[dict, list[str]]:
     """(figures, printable lines): the plan's predicted rollout and update seconds per step
     beside the run's medians, each with its ratio and whether it is within TOLERANCE."""
     rates = rates or plan_rates(plan)
     profile = profile or RolloutProfile.from_run(run_dir)
     rollout = rollout or run_rollout_config(run_dir)
-    prediction = predict_step(plan, profile, rates, step_settings(plan, rollout), samples=samples)
+    prediction = predict_step(plan, profile, rates, step_settings(plan, rollout, hosts=hosts), samples=samples)
     seen = measured(run_dir)
     rows = {"rollout": (prediction["rollout_s"], seen["time/rollout_s"]),
             "update": (prediction["update_s"], seen["time/update_s"])}
@@ -112,14 +131,14 @@ def calibrate(plan, run_dir: str, *, rates: Rates | None = None, profile: Rollou
 
 
 def step_report(plan, *, profile: str | None = None, run_dir: str | None = None,
-                rollout: RolloutConfig | None = None) -> tuple[dict, list[str]]:
+                rollout: RolloutConfig | None = None, hosts: int = 1) -> tuple[dict, list[str]]:
     """What `python -m muajax.plan --rollout-profile P [--calibrate RUN_DIR]` prints: the
     plan's step time for profile P (a profile .json or a run directory), and with a run
     directory the calibration against it (profile default: the run's own)."""
     loaded = RolloutProfile.load(profile) if profile else None
     if run_dir:
-        return calibrate(plan, run_dir, profile=loaded, rollout=rollout)
+        return calibrate(plan, run_dir, profile=loaded, rollout=rollout, hosts=hosts)
     rates = plan_rates(plan)
-    prediction = predict_step(plan, loaded, rates, step_settings(plan, rollout))
+    prediction = predict_step(plan, loaded, rates, step_settings(plan, rollout, hosts=hosts))
     return prediction, [f"step time for rollout profile {loaded.name} ({profile}); rates: {rates.source or rates.name}",
                         *summary_lines(prediction)]

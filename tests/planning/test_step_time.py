@@ -36,6 +36,7 @@ def _plan(copy_bytes: int = 0, grpo: GRPOConfig | None = None, batch: int = 8, m
                      "buckets": [512, max_len], "shared_prefix": 0}}
     phases = [Phase("rollout", [Part("engine: params", copy_bytes)])]
     return types.SimpleNamespace(programs=programs, cfg=TINY_CONFIG, settings=settings, devices=1, phases=phases,
+                                 mesh={"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1},
                                  rows=rows, compiler="cpu", chip=None)
 
 
@@ -187,3 +188,20 @@ def test_an_update_whose_loops_the_hlo_does_not_count_is_scaled_to_the_model_s_e
     assert update_seconds(counted, plan.cfg, RATES, s2, 1024)["per_call_s"] == pytest.approx(RATES.seconds(1e12, 1e11))
     assert update_seconds(uncounted, plan.cfg, RATES, s2, 1024)["per_call_s"] == pytest.approx(
         RATES.seconds(3e12, 3e11))
+
+
+def test_the_engine_s_shards_follow_the_mesh_it_decodes_on():
+    from muajax.agent.rollout_config import RolloutMeshConfig
+    from muajax.chips import get_chip
+    from muajax.planning.calibration import engine_shards
+
+    cpu = _plan()
+    cpu.mesh, cpu.devices = {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1}, 4
+    assert engine_shards(cpu, _rollout(), hosts=1) == 4  # a CPU engine decodes on the training mesh
+    tpu = _plan()
+    tpu.chip, tpu.compiler, tpu.devices = get_chip("v5p"), "tpu", 16
+    # a host's 8 devices, tensor parallel as wide as the 2 kv heads split: 4 batch shards per host
+    assert engine_shards(tpu, _rollout(), hosts=2) == 4
+    assert engine_shards(tpu, _rollout(mesh=RolloutMeshConfig(data=1, fsdp=-1, tensor=1)), hosts=2) == 8
+    s = step_settings(tpu, _rollout(), hosts=2)
+    assert s.schedule.conversations == 4 and s.schedule.shards == 4 and s.schedule.page_size == 128
