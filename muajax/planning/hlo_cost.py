@@ -106,7 +106,8 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
 
 def _fusion_operand_bytes(module: HloModule, instr: Instruction, shapes: dict[str, str]) -> tuple[int, int]:
     """(bytes read, bytes written) by a fusion: a parameter the fusion only slices counts as
-    its slices, an in-place dynamic-update-slice root as its update."""
+    its slices, an in-place dynamic-update-slice or scatter root as its update (the buffer it
+    updates neither read nor written whole)."""
     fused = module.computations.get(dict(called(instr)).get("calls", ""))
     read = [sum(array_sizes(shapes.get(o, ""))) for o in instr.operands]
     written = sum(array_sizes(instr.shape))
@@ -127,6 +128,10 @@ def _fusion_operand_bytes(module: HloModule, instr: Instruction, shapes: dict[st
     if root.opcode in ("dynamic-update-slice", "scatter") and len(root.operands) > 1:
         update = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]  # in place
         written = sum(array_sizes(fused.instructions[update].shape)) if update in fused.instructions else written
+        for k, pname in params.items():  # the buffer updated in place is read only where sliced
+            others = [u for u in users.get(pname, []) if u is not root]
+            if pname == root.operands[0] and k < len(read) and all(u.opcode in _SLICES for u in others):
+                read[k] = sum(sum(array_sizes(u.shape)) for u in others)
     return sum(read), written
 
 

@@ -4,6 +4,9 @@
   measures it for the trainer's MFU on a CPU, shared out over the host's devices;
 - memory bandwidth: the best of a few copies of a 256 MiB array (read and write counted),
   far larger than the caches (STREAM's copy);
+- fresh-buffer writes: XLA:CPU allocates a program's temporaries at every call, and a new
+  buffer's first write faults its pages in: the same elementwise op into a new output and
+  into its donated input, the difference per byte;
 - dispatch: the host time of one small jitted call on the device as the engine makes them:
   its row arrays put on the device, the call, its outputs fetched (median of many).
 """
@@ -52,6 +55,27 @@ def memory_bandwidth(nbytes: int = COPY_BYTES, repeat: int = 7) -> float:
     return 2.0 * nbytes / best
 
 
+def fresh_write_rate(nbytes: int = COPY_BYTES, repeat: int = 5, device=None) -> float:
+    """Bytes per second at which XLA:CPU first writes a freshly allocated buffer: the same
+    elementwise op over `nbytes` into a new output and into its donated input, the
+    difference per output byte (the new buffer's page faults)."""
+    device = device or jax.devices()[0]
+    op = lambda x: x * 1.0001 + 1.0  # noqa: E731
+    fresh, donated = jax.jit(op), jax.jit(op, donate_argnums=0)
+    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+    y = donated(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))
+    jax.block_until_ready((fresh(x), y))
+    best = {"fresh": float("inf"), "donated": float("inf")}
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fresh(x))
+        best["fresh"] = min(best["fresh"], time.perf_counter() - start)
+        start = time.perf_counter()
+        y = jax.block_until_ready(donated(y))
+        best["donated"] = min(best["donated"], time.perf_counter() - start)
+    return nbytes / max(best["fresh"] - best["donated"], 1e-9)
+
+
 def dispatch_seconds(device=None, rows: int = 32, repeat: int = 200) -> float:
     """Median host seconds of one tiny jitted call with the engine's per-call traffic."""
     device = device or jax.devices()[0]
@@ -79,6 +103,8 @@ def measure_host_rates(devices: int = 1, device=None) -> Rates:
     peak = matmul_peak(device) / devices
     bandwidth = memory_bandwidth() / devices
     dispatch = dispatch_seconds(device)
-    return Rates("host cpu", peak, bandwidth, None, dispatch, overlap=False,
+    fresh = fresh_write_rate(device=device) / devices
+    return Rates("host cpu", peak, bandwidth, None, dispatch, overlap=False, fresh_bytes_per_s=fresh,
                  source=f"measured here: float32 matmul peak {peak / 1e9:.1f} GFLOP/s, copy bandwidth "
-                        f"{bandwidth / 1e9:.1f} GB/s, dispatch {dispatch * 1e3:.2f} ms per call")
+                        f"{bandwidth / 1e9:.1f} GB/s, fresh-buffer writes {fresh / 1e9:.1f} GB/s, dispatch "
+                        f"{dispatch * 1e3:.2f} ms per call")

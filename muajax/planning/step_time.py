@@ -21,7 +21,9 @@ update_s   the `grpo step` program per optimizer update (ppo_epochs x mini-batch
 A call's seconds are the host's dispatch time plus the roofline of its FLOPs, bytes and
 collectives (`Rates`): on an accelerator the largest term (`muajax.planning.roofline`:
 compute, HBM and the interconnect overlap), on XLA:CPU their sum (it runs one operation
-after another, each bound by its own resource). The draws of conversations are seeded:
+after another, each bound by its own resource) plus the first touch of the temporaries
+it allocates at every call (page faults: a fresh buffer is written several times slower
+than a warm one). The draws of conversations are seeded:
 `samples` batches are simulated and averaged.
 """
 from __future__ import annotations
@@ -51,18 +53,27 @@ class Rates:
     dispatch_s: float = 0.0          # host time per program call (measured: host_rates.py)
     overlap: bool = True             # roofline max (an accelerator), else the terms' sum (XLA:CPU)
     source: str = ""
+    # the rate a freshly allocated buffer is first written at (page faults): XLA:CPU allocates
+    # a program's temporaries at every call; None on an accelerator, whose runtime keeps them
+    fresh_bytes_per_s: float | None = None
 
     @classmethod
     def from_chip(cls, chip: Chip, dispatch_s: float = 0.0) -> Rates:
         return cls(chip.name, chip.peak_flops, chip.hbm_bytes_per_s, chip.ring_bytes_per_s, dispatch_s, True,
                    f"muajax.chips {chip.name}")
 
-    def seconds(self, flops: float, bytes_: float, collective_bytes: float = 0.0) -> float:
-        """One call: dispatch + the roofline of its work."""
+    def seconds(self, flops: float, bytes_: float, collective_bytes: float = 0.0, fresh_bytes: float = 0.0) -> float:
+        """One call: dispatch + the roofline of its work (+ its temporaries' first touch)."""
         terms = [flops / self.peak_flops, bytes_ / self.mem_bytes_per_s]
         if collective_bytes and self.ring_bytes_per_s:
             terms.append(collective_bytes / self.ring_bytes_per_s)
-        return self.dispatch_s + (max(terms) if self.overlap else sum(terms))
+        fresh = fresh_bytes / self.fresh_bytes_per_s if self.fresh_bytes_per_s else 0.0
+        return self.dispatch_s + fresh + (max(terms) if self.overlap else sum(terms))
+
+
+def temporaries(cost: ProgramCost) -> float:
+    """Bytes per device a call allocates for itself (XLA's memory analysis)."""
+    return float(cost.memory.get("temporaries", 0))
 
 
 def moved_bytes(cost: ProgramCost) -> float:
@@ -114,7 +125,7 @@ class _EngineModel:
 
     def _scaled(self, cost: ProgramCost, now: tuple[float, float], then: tuple[float, float], rows: float) -> float:
         f, b = cost.flops * now[0] / then[0], cost.bytes_accessed * now[1] / then[1]
-        return self.rates.seconds(f, b, moved_bytes(cost) * rows)
+        return self.rates.seconds(f, b, moved_bytes(cost) * rows, temporaries(cost) * now[1] / then[1])
 
     def decode(self, rows: int, dense: int, steps: int) -> float:
         chunk = self.schedule.decode_chunk
@@ -186,7 +197,8 @@ def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length
     from the update's cost by the forward's share of the step's FLOPs."""
     ratio = _train_flops(cfg, s.update_rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
     ratio *= missing_loops(cost, s.executed_flops)
-    per_call = rates.seconds(cost.flops * ratio, cost.bytes_accessed * ratio, moved_bytes(cost) * ratio)
+    per_call = rates.seconds(cost.flops * ratio, cost.bytes_accessed * ratio, moved_bytes(cost) * ratio,
+                             temporaries(cost) * ratio)
     calls = s.ppo_epochs * s.updates_per_epoch
     recompute = 0.0
     if s.recompute:
@@ -196,7 +208,7 @@ def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length
             r = forward / forward0 * missing_loops(recompute_cost, s.executed_flops * forward0 / _train_flops(
                 cfg, s.update_rows, s.compiled_length, s))
             one = rates.seconds(recompute_cost.flops * r, recompute_cost.bytes_accessed * r,
-                                moved_bytes(recompute_cost) * r)
+                                moved_bytes(recompute_cost) * r, temporaries(recompute_cost) * r)
         else:
             share = forward / _train_flops(cfg, s.update_rows, length, s)
             one = rates.dispatch_s + (per_call - rates.dispatch_s) * share

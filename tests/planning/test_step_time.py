@@ -57,6 +57,10 @@ def test_a_call_is_dispatch_plus_the_roofline_max_or_on_a_cpu_the_sum():
     assert RATES.seconds(2e12, 1e11) == pytest.approx(1e-3 + 2.0)
     serial = Rates("cpu", 1e12, 1e11, dispatch_s=0.0, overlap=False)
     assert serial.seconds(2e12, 1e11) == pytest.approx(3.0)
+    # on a CPU the temporaries a call allocates are faulted in at the fresh-write rate; a chip keeps them
+    cpu = Rates("cpu", 1e12, 1e11, dispatch_s=0.0, overlap=False, fresh_bytes_per_s=1e9)
+    assert cpu.seconds(2e12, 1e11, fresh_bytes=5e8) == pytest.approx(3.5)
+    assert RATES.seconds(2e12, 1e11, fresh_bytes=5e8) == RATES.seconds(2e12, 1e11)
 
 
 def test_doubling_the_turns_doubles_the_decode_calls_and_time():
@@ -175,6 +179,7 @@ def test_this_host_s_rates_come_from_microbenchmarks():
 
     rates = measure_host_rates(devices=2)
     assert rates.peak_flops > 1e8 and rates.mem_bytes_per_s > 1e8 and 0 < rates.dispatch_s < 0.1
+    assert 1e8 < rates.fresh_bytes_per_s
     assert not rates.overlap and "measured here" in rates.source
 
 
