@@ -14,7 +14,9 @@ Producers:
       against the domain's environment, tokenized with the Qwen3 tokenizer);
   RolloutProfile.from_run(run_dir)
       a run's metrics.jsonl (the per-step means `muajax.agent.trajectory.rollout_metrics`
-      logs, and the step's longest row where the run logged it).
+      logs, and the step's longest row where the run logged it), with the per-turn spread
+      and the tool/user split of its own conversations (sft.jsonl) where it has them
+      (muajax/planning/run_profile.py).
 """
 from __future__ import annotations
 
