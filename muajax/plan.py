@@ -40,6 +40,7 @@ from muajax.planning import report, sweep
 from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
+from muajax.planning.rollout_profile import RolloutProfile
 from muajax.planning.run_config import domain_facts, model_from_config
 from muajax.planning.topology import LibtpuMissingError, devices_for, judged_hbm, parse_topology
 from muajax.rl.grpo import GRPOConfig
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-oom", action="store_true", help="compile programs that cannot fit to the end, for "
                    "their exact memory (slow; by default the compiler gives up early and its message gives a "
                    "lower bound)")
-    p.add_argument("--sweep", action="store_true", help="rank meshes x remat policies by estimated step time")
+    p.add_argument("--sweep", action="store_true", help="rank meshes x remat policies by the predicted GRPO step "
+                   "(with --rollout-profile; else by the update's estimated time)")
     p.add_argument("--remats", default="full,dots,dots_no_batch",
                    help="remat policies the sweep tries, the first on every mesh (default leaves out 'none': at 32K "
                         "its update took 20-58 min to compile per mesh on a 2-core machine, against 35-95 s for full)")
@@ -249,9 +251,11 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         if args.meshes:
             meshes = [dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*parse_mesh(m).values(), len(devices))))
                       for m in args.meshes.split(";") if m.strip()]
+        profile = RolloutProfile.load(args.rollout_profile) if args.rollout_profile else None
+        rollout = load_config(args.config, args.set).rollout if args.config else None
         result = sweep.run_sweep(cfg, label, devices=devices, settings=settings, remats=remats, topology=spec.text,
                                  chip=chip, hbm_bytes=hbm, out_dir=args.out, meshes=meshes,
-                                 refine=parse_refine(args.refine), log=print)
+                                 refine=parse_refine(args.refine), profile=profile, rollout=rollout, log=print)
         print(json.dumps(result["summary"]))
         return result["summary"]
     sizes = dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*mesh.values(), len(devices))))
