@@ -40,6 +40,7 @@ from muajax.planning import report, sweep
 from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
+from muajax.planning.profile_mix import default_profile
 from muajax.planning.rollout_profile import RolloutProfile
 from muajax.planning.run_config import domain_facts, model_from_config
 from muajax.planning.topology import LibtpuMissingError, devices_for, judged_hbm, parse_topology
@@ -190,13 +191,27 @@ def smallest_microbatches(settings: PlanSettings, args, sizes: dict[str, int]) -
     return dataclasses.replace(settings, grpo=grpo, sft=sft)
 
 
-def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None]:
-    """(model, label, settings, mesh, topology) from --config or from the flags."""
+def rollout_profile(args, facts=None) -> RolloutProfile | None:
+    """--rollout-profile's, else with --config the shipped profiles of its τ2 domains mixed by
+    their training tasks (`profile_mix.default_profile`), else None (no step time)."""
+    if args.rollout_profile:
+        return RolloutProfile.load(args.rollout_profile)
+    if facts is None:
+        return None
+    profile = default_profile(facts.train_tasks)
+    if profile is not None:
+        print(f"plan: rollout profile {profile.name} (the shipped τ2 profiles; --rollout-profile to choose)",
+              flush=True)
+    return profile
+
+
+def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None, RolloutProfile | None]:
+    """(model, label, settings, mesh, topology, rollout profile) from --config or from the flags."""
     if args.config is None:
         if args.model is None:
             raise SystemExit("plan: give --config configs/runs/X.yaml or --model")
         mesh = args.mesh or {axis: (-1 if axis == "fsdp" else 1) for axis in parallel.MESH_AXES}
-        return model_from_flags(args), args.model, settings_from_flags(args), mesh, args.topology
+        return model_from_flags(args), args.model, settings_from_flags(args), mesh, args.topology, rollout_profile(args)
     given = [f"--{name.replace('_', '-')}" for name in RUN_FLAGS if getattr(args, name) is not None]
     if given:
         raise SystemExit(f"plan: {', '.join(given)} with --config: the config describes the run; change it with "
@@ -217,7 +232,7 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     topology = args.topology or cfg.mesh.topology
     if topology is None:
         raise SystemExit(f"plan: {args.config} names no mesh.topology (the slice it is sized for): pass --topology")
-    return model, label, settings, mesh, topology
+    return model, label, settings, mesh, topology, rollout_profile(args, facts)
 
 
 def gpu_memory_fraction(args) -> float:
@@ -228,7 +243,7 @@ def gpu_memory_fraction(args) -> float:
 def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    cfg, label, settings, mesh, topology = describe_run(args)
+    cfg, label, settings, mesh, topology, profile = describe_run(args)
     known = [v for v in mesh.values() if v != -1]
     spec = parse_topology(topology or f"cpu:{max(1, math.prod(known))}")
     try:
@@ -251,7 +266,6 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         if args.meshes:
             meshes = [dict(zip(parallel.MESH_AXES, parallel.resolve_mesh_shape(*parse_mesh(m).values(), len(devices))))
                       for m in args.meshes.split(";") if m.strip()]
-        profile = RolloutProfile.load(args.rollout_profile) if args.rollout_profile else None
         rollout = load_config(args.config, args.set).rollout if args.config else None
         result = sweep.run_sweep(cfg, label, devices=devices, settings=settings, remats=remats, topology=spec.text,
                                  chip=chip, hbm_bytes=hbm, out_dir=args.out, meshes=meshes,
@@ -269,11 +283,15 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         summary["estimate"] = spec.describe()
     if share:
         summary["gpu_memory_fraction"] = fraction
-    if args.rollout_profile or args.calibrate:
+    if profile is not None or args.calibrate:
         from muajax.planning.calibration import step_report
         rollout = load_config(args.config, args.set).rollout if args.config else None
-        summary["step_time"], lines = step_report(plan, profile=args.rollout_profile, run_dir=args.calibrate,
+        chosen = None if args.calibrate and not args.rollout_profile else profile  # a calibration: the run's own
+        summary["step_time"], lines = step_report(plan, profile=chosen, run_dir=args.calibrate,
                                                   rollout=rollout, hosts=len({d.process_index for d in devices}))
+        prediction = summary["step_time"].get("prediction", summary["step_time"])  # a calibration nests it
+        summary.update({key: prediction[key] for key in ("rollout_s", "sync_s", "update_s", "step_s",
+                                                           "tokens_per_s_per_chip", "update_mfu")})
         print("\n".join(lines))
     print(json.dumps(summary))
     if plan.fits is False:

@@ -130,15 +130,16 @@ def calibrate(plan, run_dir: str, *, rates: Rates | None = None, profile: Rollou
     return result, lines
 
 
-def step_report(plan, *, profile: str | None = None, run_dir: str | None = None,
+def step_report(plan, *, profile: str | RolloutProfile | None = None, run_dir: str | None = None,
                 rollout: RolloutConfig | None = None, hosts: int = 1) -> tuple[dict, list[str]]:
     """What `python -m muajax.plan --rollout-profile P [--calibrate RUN_DIR]` prints: the
     plan's step time for profile P (a profile .json or a run directory), and with a run
     directory the calibration against it (profile default: the run's own)."""
-    loaded = RolloutProfile.load(profile) if profile else None
+    loaded = RolloutProfile.load(profile) if isinstance(profile, str) else profile  # a path, or a profile
     if run_dir:
         return calibrate(plan, run_dir, profile=loaded, rollout=rollout, hosts=hosts)
     rates = plan_rates(plan)
     prediction = predict_step(plan, loaded, rates, step_settings(plan, rollout, hosts=hosts))
-    return prediction, [f"step time for rollout profile {loaded.name} ({profile}); rates: {rates.source or rates.name}",
+    where = f" ({profile})" if isinstance(profile, str) else ""
+    return prediction, [f"step time for rollout profile {loaded.name}{where}; rates: {rates.source or rates.name}",
                         *summary_lines(prediction)]

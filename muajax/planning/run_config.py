@@ -16,6 +16,7 @@ the trainer's rule, and the evaluation's conversations, which the engine has slo
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import tempfile
@@ -71,6 +72,7 @@ def domain_vocabulary_model(cfg: TrainConfig) -> Qwen3Config:
 class DomainFacts:
     prompt_prefix: int          # tokens every training conversation starts with (its system prompt)
     eval_conversations: int     # trials x held-out tasks: the evaluation's engine slots
+    train_tasks: dict[str, int]  # training tasks per domain (what a step's conversations are drawn from)
 
 
 def domain_facts(cfg: TrainConfig) -> DomainFacts:
@@ -79,5 +81,7 @@ def domain_facts(cfg: TrainConfig) -> DomainFacts:
     # the checkpoint's where it is here; else the bundled one, every Qwen3 checkpoint's
     tokenizer = checkpoint_tokenizer(hf_dir) if hf_dir and os.path.isdir(hf_dir) else load_tokenizer()
     env = make_environment(cfg.env)  # no user: a plan needs no API key
-    prefix = system_prompt_prefix(env, tokenizer, run_tasks.train_tasks(cfg, env))
-    return DomainFacts(prefix, run_tasks.eval_trials(cfg) * len(run_tasks.eval_tasks(cfg, env)))
+    tasks = run_tasks.train_tasks(cfg, env)
+    prefix = system_prompt_prefix(env, tokenizer, tasks)
+    return DomainFacts(prefix, run_tasks.eval_trials(cfg) * len(run_tasks.eval_tasks(cfg, env)),
+                       dict(collections.Counter(task.domain for task in tasks)))
