@@ -150,8 +150,11 @@ def test_fake_cpu_mesh_reexecs_and_judges_against_a_chip():
     # jax already started with 1 device: plan re-executes itself with 4
     code = ("import jax; assert len(jax.devices()) == 1; from muajax.plan import main; "
             f"main({[*SMALL, '--topology', 'cpu:4', '--chip', 'h100', '--phases', 'update']!r}, allow_reexec=True)")
-    out, _ = run_plan(None, code=code, fast_cpu=True)
+    out, proc = run_plan(None, code=code, fast_cpu=True)
     assert out["compiler"] == "cpu" and out["devices"] == 4 and out["chip"] == "h100" and out["fits"] is True
+    # judged against the share of the card the trainer lets jax take (run.gpu_memory_fraction's default)
+    assert out["hbm_bytes"] == 72 * 10**9 and out["gpu_memory_fraction"] == 0.9
+    assert "judged against 0.9 x h100's 80 GB = 72.0 GB" in proc.stdout
     assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 1}  # default: fsdp over every device
 
 
