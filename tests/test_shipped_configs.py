@@ -1,8 +1,10 @@
 """Every run config shipped in configs/ loads and validates."""
 import glob
+import math
 import os
 
 import pytest
+import yaml
 
 from muajax.config.schema import load_config
 
@@ -26,7 +28,8 @@ def test_there_are_real_scale_configs_for_each_size_and_hardware():
     names = {os.path.basename(p) for p in RUNS}
     for size in ("8b", "14b", "32b"):
         for hw in ("v5p", "v6e", "h100"):
-            assert f"qwen3-{size}-tau2-{hw}.yaml" in names
+            # 32B's train state, reference and engine copy alone exceed one 8x H100 node (docs/scale.md)
+            assert (f"qwen3-{size}-tau2-{hw}.yaml" in names) == ((size, hw) != ("32b", "h100"))
 
 
 def test_the_embedded_default_starts_from_the_shipped_base_which_never_saw_its_shop():
@@ -94,3 +97,35 @@ def test_the_tau2_smoke_config_needs_only_the_user_endpoint():
     assert cfg.run.stages == ("sft", "grpo") and cfg.env.domains == ("retail", "airline")
     assert cfg.sft.data == os.path.join(ROOT, "configs", "smoke-tau2-sft.jsonl") and os.path.isfile(cfg.sft.data)
     assert cfg.grpo.steps == 2 and cfg.env.max_train_tasks == 1 and cfg.rollout.tasks_per_step == 2
+
+
+@pytest.mark.parametrize("path", [p for p in RUNS if p.endswith("-v6e.yaml")], ids=os.path.basename)
+def test_v6e_configs_name_the_v6e_slice_their_header_names(path):
+    from muajax.planning import topology
+
+    cfg = load_config(path)
+    spec = topology.parse_topology(cfg.mesh.topology)  # what `python -m muajax.plan --config` compiles for
+    assert spec.platform == "tpu" and spec.generation == "v6e"
+    assert math.prod(cfg.mesh.sizes().values()) == spec.chips
+    with open(path) as f:
+        header = f.readline()
+    assert f"TPU {cfg.mesh.topology} slice ({spec.chips} chips" in header
+    if topology.libtpu_available():  # the slice's chips take the mesh (a 4x4 lays out axes of 4 or 16 only)
+        from muajax import parallel
+
+        mesh = parallel.make_mesh(**cfg.mesh.sizes(), devices=topology.tpu_devices(spec))
+        assert mesh.size == spec.chips
+
+
+@pytest.mark.parametrize("path", [p for p in RUNS if p.endswith("-h100.yaml")], ids=os.path.basename)
+def test_h100_configs_set_the_share_of_each_gpu_their_plan_is_judged_against(path):
+    from muajax.planning.topology import judged_hbm, parse_topology
+
+    cfg = load_config(path)
+    with open(path) as f:
+        own = yaml.safe_load(f)
+    fraction = own["run"]["gpu_memory_fraction"]  # the file's own, not a default it inherits
+    assert cfg.run.gpu_memory_fraction == fraction
+    spec = parse_topology(cfg.mesh.topology)
+    hbm, _ = judged_hbm(spec.chip, fraction)
+    assert spec.gpu == "h100" and hbm == int(fraction * spec.chip.hbm_bytes) < spec.chip.hbm_bytes
