@@ -126,8 +126,10 @@ def seconds(row: SweepRow) -> float:
 
 
 def _rank(rows: list[SweepRow]) -> list[SweepRow]:
+    """Fitting first, by seconds to 3 significant figures (an estimate is no finer: compute-bound
+    meshes that differ in the 6th figure tie), then by memory per device."""
     order = {"fits": 0, "too big": 1, "pruned": 2, "no mesh": 3}
-    return sorted(rows, key=lambda r: (order[r.status], seconds(r), r.per_device_bytes))
+    return sorted(rows, key=lambda r: (order[r.status], float(f"{seconds(r):.3g}"), r.per_device_bytes))
 
 
 def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm, whole=None) -> SweepRow:

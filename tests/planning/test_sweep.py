@@ -158,3 +158,14 @@ def test_with_a_rollout_profile_meshes_rank_by_the_whole_step(devices, tmp_path)
     assert rows[0]["step_s"] <= rows[1]["step_s"]  # ranked by the whole step
     assert out["summary"]["best"]["step_s"] == rows[0]["step_s"]
     assert os.path.getsize(os.path.join(tmp_path, "sweep.png")) > 10_000
+
+
+def test_meshes_whose_times_agree_to_three_figures_rank_by_memory():
+    from muajax.planning.sweep import SweepRow, _rank
+
+    def row(name, step_s, gib):
+        return SweepRow({"data": name, "fsdp": 1, "tensor": 1, "sequence": 1}, "full", 1, "fits", gib << 30,
+                        step={"step_s": step_s})
+
+    ranked = _rank([row(1, 90.5512, 56), row(2, 90.5511, 45), row(3, 80.0, 90), row(4, 95.0, 10)])
+    assert [r.mesh["data"] for r in ranked] == [3, 2, 1, 4]
