@@ -1,4 +1,7 @@
-"""This host's rates for a step-time model, by microbenchmarks (nothing fitted to a run):
+"""This host's rates for a step-time model, by microbenchmarks (nothing fitted to a run).
+Each is the best of its repeats (what the host does undisturbed) or, with
+statistic="typical", their median (what it does under the load it has: on a shared box,
+the rates a run beside the same other jobs gets):
 
 - peak FLOP/s: the best float32 [2048, 2048] matmul, as `muajax.train.step_metrics.measure_matmul_peak`
   measures it for the trainer's MFU on a CPU, shared out over the host's devices;
@@ -23,39 +26,40 @@ from muajax.planning.step_time import Rates
 COPY_BYTES = 256 * 2**20
 PEAK_MATMUL_SIZE = 2048  # as muajax.train.step_metrics: big enough to reach a CPU's peak
 DISPATCH_ARRAYS = 9  # an engine decode call's per-row arrays (batching.decode_rows)
+STATISTICS = {"best": min, "typical": lambda times: float(np.median(times))}
 
 
-def matmul_peak(device=None, size: int = PEAK_MATMUL_SIZE, repeat: int = 5) -> float:
-    """FLOP/s of the best of `repeat` float32 [size, size] @ [size, size] matmuls, the
-    compile not counted: the measurement `muajax.train.step_metrics.measure_matmul_peak`
-    makes for the trainer's MFU on a CPU (the planner stands below the trainer, so it is
-    made here the same way)."""
+def _timed(fn, repeat: int, statistic: str) -> float:
+    """Seconds of `fn()` over `repeat` runs: their least, or their median."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return STATISTICS[statistic](times)
+
+
+def matmul_peak(device=None, size: int = PEAK_MATMUL_SIZE, repeat: int = 5, statistic: str = "best") -> float:
+    """FLOP/s of a float32 [size, size] @ [size, size] matmul over `repeat` runs, the compile
+    not counted: the measurement `muajax.train.step_metrics.measure_matmul_peak` makes for
+    the trainer's MFU on a CPU (the planner stands below the trainer, so it is made here the
+    same way)."""
     device = device or jax.devices()[0]
     keys = jax.random.split(jax.random.key(0))
     a, b = (jax.device_put(jax.random.normal(k, (size, size), jnp.float32), device) for k in keys)
     matmul = jax.jit(jnp.matmul)
     jax.block_until_ready(matmul(a, b))
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        jax.block_until_ready(matmul(a, b))
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
+    return 2.0 * size**3 / _timed(lambda: jax.block_until_ready(matmul(a, b)), repeat, statistic)
 
 
-def memory_bandwidth(nbytes: int = COPY_BYTES, repeat: int = 7) -> float:
-    """Bytes per second of the best of `repeat` copies of `nbytes` (read + written)."""
+def memory_bandwidth(nbytes: int = COPY_BYTES, repeat: int = 7, statistic: str = "best") -> float:
+    """Bytes per second of a copy of `nbytes` (read + written)."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * nbytes / best
+    return 2.0 * nbytes / _timed(lambda: np.copyto(dst, src), repeat, statistic)
 
 
-def fresh_write_rate(nbytes: int = COPY_BYTES, repeat: int = 5, device=None) -> float:
+def fresh_write_rate(nbytes: int = COPY_BYTES, repeat: int = 5, device=None, statistic: str = "best") -> float:
     """Bytes per second at which XLA:CPU first writes a freshly allocated buffer: the same
     elementwise op over `nbytes` into a new output and into its donated input, the
     difference per output byte (the new buffer's page faults)."""
@@ -63,17 +67,14 @@ def fresh_write_rate(nbytes: int = COPY_BYTES, repeat: int = 5, device=None) -> 
     op = lambda x: x * 1.0001 + 1.0  # noqa: E731
     fresh, donated = jax.jit(op), jax.jit(op, donate_argnums=0)
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
-    y = donated(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))
-    jax.block_until_ready((fresh(x), y))
-    best = {"fresh": float("inf"), "donated": float("inf")}
-    for _ in range(repeat):
-        start = time.perf_counter()
-        jax.block_until_ready(fresh(x))
-        best["fresh"] = min(best["fresh"], time.perf_counter() - start)
-        start = time.perf_counter()
-        y = jax.block_until_ready(donated(y))
-        best["donated"] = min(best["donated"], time.perf_counter() - start)
-    return nbytes / max(best["fresh"] - best["donated"], 1e-9)
+    held = [donated(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))]
+    jax.block_until_ready((fresh(x), held[0]))
+
+    def in_place():
+        held[0] = jax.block_until_ready(donated(held[0]))
+
+    new = _timed(lambda: jax.block_until_ready(fresh(x)), repeat, statistic)
+    return nbytes / max(new - _timed(in_place, repeat, statistic), 1e-9)
 
 
 def dispatch_seconds(device=None, rows: int = 32, repeat: int = 200) -> float:
@@ -95,16 +96,19 @@ def dispatch_seconds(device=None, rows: int = 32, repeat: int = 200) -> float:
     return float(np.median(times))
 
 
-def measure_host_rates(devices: int = 1, device=None) -> Rates:
+def measure_host_rates(devices: int = 1, device=None, statistic: str = "best") -> Rates:
     """This CPU's rates, per device when the host is split into `devices` XLA:CPU devices
     (they share its cores and memory). XLA:CPU runs a program's operations one after
     another, so a call's time is the sum of its compute and memory terms (overlap off)."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic {statistic!r}: one of {', '.join(STATISTICS)}")
     device = device or jax.devices()[0]
-    peak = matmul_peak(device) / devices
-    bandwidth = memory_bandwidth() / devices
+    peak = matmul_peak(device, statistic=statistic) / devices
+    bandwidth = memory_bandwidth(statistic=statistic) / devices
     dispatch = dispatch_seconds(device)
-    fresh = fresh_write_rate(device=device) / devices
+    fresh = fresh_write_rate(device=device, statistic=statistic) / devices
+    word = "" if statistic == "best" else f" ({statistic}: medians)"
     return Rates("host cpu", peak, bandwidth, None, dispatch, overlap=False, fresh_bytes_per_s=fresh,
-                 source=f"measured here: float32 matmul peak {peak / 1e9:.1f} GFLOP/s, copy bandwidth "
+                 source=f"measured here{word}: float32 matmul peak {peak / 1e9:.1f} GFLOP/s, copy bandwidth "
                         f"{bandwidth / 1e9:.1f} GB/s, fresh-buffer writes {fresh / 1e9:.1f} GB/s, dispatch "
                         f"{dispatch * 1e3:.2f} ms per call")
