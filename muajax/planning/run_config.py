@@ -71,7 +71,7 @@ def domain_vocabulary_model(cfg: TrainConfig) -> Qwen3Config:
 @dataclasses.dataclass(frozen=True)
 class DomainFacts:
     prompt_prefix: int          # tokens every training conversation starts with (its system prompt)
-    eval_conversations: int     # trials x held-out tasks: the evaluation's engine slots
+    eval_conversations: int     # the evaluation's engine slots: trials x held-out tasks (0: rollout.num_slots caps)
     train_tasks: dict[str, int]  # training tasks per domain (what a step's conversations are drawn from)
 
 
@@ -83,5 +83,6 @@ def domain_facts(cfg: TrainConfig) -> DomainFacts:
     env = make_environment(cfg.env)  # no user: a plan needs no API key
     tasks = run_tasks.train_tasks(cfg, env)
     prefix = system_prompt_prefix(env, tokenizer, tasks)
-    return DomainFacts(prefix, run_tasks.eval_trials(cfg) * len(run_tasks.eval_tasks(cfg, env)),
+    eval_slots = 0 if cfg.rollout.num_slots is not None else run_tasks.eval_conversations(cfg, env)
+    return DomainFacts(prefix, eval_slots,
                        dict(collections.Counter(task.domain for task in tasks)))

@@ -1,9 +1,10 @@
 """A run's tasks and how many conversations its engine holds at once, from its config and
 its domain's environment: the trainer's `RunContext` and the planner both ask here.
 
-The engine is sized for the larger of this process's share of a GRPO step's conversations
-(`rollout.num_slots`, default all of a step's) and the evaluation, which every process runs
-whole: trials x held-out tasks."""
+The engine holds this process's share of a GRPO step's conversations at once, or without
+`rollout.num_slots` the larger of all of a step's and the evaluation's (trials x held-out
+tasks, which every process runs whole). With `rollout.num_slots` set, that is the cap: the
+conversations beyond it, the evaluation's included, queue for a slot (`muajax.agent.rollout`)."""
 from __future__ import annotations
 
 import collections
@@ -38,5 +39,12 @@ def rollout_slots(cfg, processes: int) -> int:
 
 
 def engine_slots(cfg, env, processes: int) -> int:
-    """Slots for one process's share of a GRPO step and for the evaluation (run whole)."""
-    return max(rollout_slots(cfg, processes), eval_trials(cfg) * len(eval_tasks(cfg, env)))
+    """Slots for one process's share of a GRPO step and, unless `rollout.num_slots` caps
+    them, for the evaluation (run whole)."""
+    if cfg.rollout.num_slots is not None:
+        return rollout_slots(cfg, processes)
+    return max(rollout_slots(cfg, processes), eval_conversations(cfg, env))
+
+
+def eval_conversations(cfg, env) -> int:
+    return eval_trials(cfg) * len(eval_tasks(cfg, env))
