@@ -127,9 +127,12 @@ def seconds(row: SweepRow) -> float:
 
 def _rank(rows: list[SweepRow]) -> list[SweepRow]:
     """Fitting first, by seconds to 3 significant figures (an estimate is no finer: compute-bound
-    meshes that differ in the 6th figure tie), then by memory per device."""
+    meshes that differ in the 6th figure tie); ties by the update's serial time (the sum of its
+    compute, HBM and collective terms: the least to lose where they overlap badly), then by
+    memory per device."""
     order = {"fits": 0, "too big": 1, "pruned": 2, "no mesh": 3}
-    return sorted(rows, key=lambda r: (order[r.status], float(f"{seconds(r):.3g}"), r.per_device_bytes))
+    serial = lambda r: float(f"{(r.roofline or {}).get('serial_s', math.inf):.3g}")
+    return sorted(rows, key=lambda r: (order[r.status], float(f"{seconds(r):.3g}"), serial(r), r.per_device_bytes))
 
 
 def _evaluate(cfg, label, mesh, devices, settings, topology, chip, hbm, whole=None) -> SweepRow:

@@ -160,12 +160,13 @@ def test_with_a_rollout_profile_meshes_rank_by_the_whole_step(devices, tmp_path)
     assert os.path.getsize(os.path.join(tmp_path, "sweep.png")) > 10_000
 
 
-def test_meshes_whose_times_agree_to_three_figures_rank_by_memory():
+def test_meshes_whose_times_agree_to_three_figures_rank_by_serial_time_then_memory():
     from muajax.planning.sweep import SweepRow, _rank
 
-    def row(name, step_s, gib):
+    def row(name, step_s, serial_s, gib):
         return SweepRow({"data": name, "fsdp": 1, "tensor": 1, "sequence": 1}, "full", 1, "fits", gib << 30,
-                        step={"step_s": step_s})
+                        roofline={"serial_s": serial_s}, step={"step_s": step_s})
 
-    ranked = _rank([row(1, 90.5512, 56), row(2, 90.5511, 45), row(3, 80.0, 90), row(4, 95.0, 10)])
-    assert [r.mesh["data"] for r in ranked] == [3, 2, 1, 4]
+    ranked = _rank([row(1, 90.5512, 150.0, 56), row(2, 90.5511, 107.0, 60), row(3, 80.0, 200.0, 90),
+                    row(4, 95.0, 100.0, 10), row(5, 90.5513, 150.2, 45)])
+    assert [r.mesh["data"] for r in ranked] == [3, 2, 5, 1, 4]
