@@ -104,6 +104,31 @@ def instruction_flops(instr: Instruction, shapes: dict[str, str]) -> float:
     return 0.0
 
 
+def _sliced_read(module: HloModule, pname: str, uses: list[Instruction], depth: int = 3) -> int | None:
+    """Bytes read of fusion parameter `pname` when every use only slices it — directly, or
+    as the operand of a nested fusion that only slices it (the layer scan's stacked weights
+    reach the matmul's fusion whole and are sliced one fusion further in) — else None."""
+    if not uses:
+        return None
+    total = 0
+    for use in uses:
+        if use.opcode in _SLICES and use.operands[0] == pname:
+            total += sum(array_sizes(use.shape))
+            continue
+        inner = module.computations.get(dict(called(use)).get("calls", "")) if use.opcode == "fusion" else None
+        if inner is None or depth == 0:
+            return None
+        for index in (i for i, o in enumerate(use.operands) if o == pname):
+            param = next((j for j in inner.instructions.values()
+                          if j.opcode == "parameter" and int(j.args.strip() or 0) == index), None)
+            nested = [j for j in inner.instructions.values() if param is not None and param.name in j.operands]
+            bytes_ = None if param is None else _sliced_read(module, param.name, nested, depth - 1)
+            if bytes_ is None:
+                return None
+            total += bytes_
+    return total
+
+
 def _fusion_operand_bytes(module: HloModule, instr: Instruction, shapes: dict[str, str]) -> tuple[int, int]:
     """(bytes read, bytes written) by a fusion: a parameter the fusion only slices counts as
     its slices, an in-place dynamic-update-slice or scatter root as its update (the buffer it
@@ -121,9 +146,9 @@ def _fusion_operand_bytes(module: HloModule, instr: Instruction, shapes: dict[st
         for operand in inner.operands:
             users.setdefault(operand, []).append(inner)
     for k, pname in params.items():
-        uses = users.get(pname, [])
-        if k < len(read) and uses and all(u.opcode in _SLICES and u.operands[0] == pname for u in uses):
-            read[k] = sum(sum(array_sizes(u.shape)) for u in uses)
+        sliced = _sliced_read(module, pname, users.get(pname, []))
+        if k < len(read) and sliced is not None:
+            read[k] = sliced
     root = fused.root
     if root.opcode in ("dynamic-update-slice", "scatter") and len(root.operands) > 1:
         update = root.operands[1] if root.opcode == "dynamic-update-slice" else root.operands[-1]  # in place

@@ -57,3 +57,40 @@ def test_compiled_layer_scan(mesh, layers):
     xla = compiled.cost_analysis()["flops"]
     assert xla < 2 * per_layer  # one body
     assert xla + summary.extra_flops == pytest.approx(layers * per_layer, rel=0.01)
+
+
+NESTED = """HloModule nested, entry_computation_layout={(bf16[36,64,32]{2,1,0}, s32[], bf16[8,64]{1,0})->bf16[8,32]{1,0}}
+
+%slice_layer (p0: bf16[36,64,32], p1: s32[]) -> bf16[64,32] {
+  %p0 = bf16[36,64,32]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,64,32]{2,1,0} dynamic-slice(bf16[36,64,32]{2,1,0} %p0, s32[] %p1, s32[] %zero, s32[] %zero), dynamic_slice_sizes={1,64,32}
+  ROOT %b = bf16[64,32]{1,0} bitcast(bf16[1,64,32]{2,1,0} %ds)
+}
+
+%matmul (q0: bf16[36,64,32], q1: s32[], q2: bf16[8,64]) -> bf16[8,32] {
+  %q0 = bf16[36,64,32]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %q2 = bf16[8,64]{1,0} parameter(2)
+  %w = bf16[64,32]{1,0} fusion(bf16[36,64,32]{2,1,0} %q0, s32[] %q1), kind=kLoop, calls=%slice_layer
+  ROOT %d = bf16[8,32]{1,0} dot(bf16[8,64]{1,0} %q2, bf16[64,32]{1,0} %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[36,64,32], i: s32[], x: bf16[8,64]) -> bf16[8,32] {
+  %a = bf16[36,64,32]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[8,64]{1,0} parameter(2)
+  ROOT %f = bf16[8,32]{1,0} fusion(bf16[36,64,32]{2,1,0} %a, s32[] %i, bf16[8,64]{1,0} %x), kind=kOutput, calls=%matmul
+}
+"""
+
+
+def test_stacked_weights_sliced_one_fusion_further_in_are_read_as_the_slice():
+    # the layer scan's [layers, ...] weights reach the matmul's fusion whole and a nested
+    # fusion slices one layer: the fusion reads that layer (64 x 32 bf16), not all 36
+    module = hlo_cost.parse_module(NESTED)
+    entry = module.computations[module.entry]
+    shapes = {i.name: i.shape for i in entry.instructions.values()}
+    read, written = hlo_cost._fusion_operand_bytes(module, entry.instructions["f"], shapes)
+    assert read == 64 * 32 * 2 + 4 + 8 * 64 * 2 and written == 8 * 32 * 2
