@@ -195,10 +195,10 @@ def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length
     length by the train step's FLOPs; the old-logprob forward (one per mini-batch) from its
     own compiled program (`old logprobs`) by the forward's FLOPs, or where the plan has none
     from the update's cost by the forward's share of the step's FLOPs."""
-    ratio = _train_flops(cfg, s.update_rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
-    ratio *= missing_loops(cost, s.executed_flops)
+    length_ratio = _train_flops(cfg, s.update_rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
+    ratio = length_ratio * missing_loops(cost, s.executed_flops)  # the temporaries are allocated once a call
     per_call = rates.seconds(cost.flops * ratio, cost.bytes_accessed * ratio, moved_bytes(cost) * ratio,
-                             temporaries(cost) * ratio)
+                             temporaries(cost) * length_ratio)
     calls = s.ppo_epochs * s.updates_per_epoch
     recompute = 0.0
     if s.recompute:
@@ -208,7 +208,7 @@ def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length
             r = forward / forward0 * missing_loops(recompute_cost, s.executed_flops * forward0 / _train_flops(
                 cfg, s.update_rows, s.compiled_length, s))
             one = rates.seconds(recompute_cost.flops * r, recompute_cost.bytes_accessed * r,
-                                moved_bytes(recompute_cost) * r, temporaries(recompute_cost) * r)
+                                moved_bytes(recompute_cost) * r, temporaries(recompute_cost) * forward / forward0)
         else:
             share = forward / _train_flops(cfg, s.update_rows, length, s)
             one = rates.dispatch_s + (per_call - rates.dispatch_s) * share
