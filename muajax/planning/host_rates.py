@@ -112,3 +112,27 @@ def measure_host_rates(devices: int = 1, device=None, statistic: str = "best") -
                  source=f"measured here{word}: float32 matmul peak {peak / 1e9:.1f} GFLOP/s, copy bandwidth "
                         f"{bandwidth / 1e9:.1f} GB/s, fresh-buffer writes {fresh / 1e9:.1f} GB/s, dispatch "
                         f"{dispatch * 1e3:.2f} ms per call")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m muajax.planning.host_rates [--statistic typical] [--devices N] [--out FILE]`:
+    this host's rates as JSON (e.g. measured just before and after a run, for calibrate's `rates`)."""
+    import argparse
+    import dataclasses
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m muajax.planning.host_rates", description=main.__doc__.split("\n")[0])
+    p.add_argument("--statistic", choices=tuple(STATISTICS), default="best")
+    p.add_argument("--devices", type=int, default=1, help="XLA:CPU devices the host is split into")
+    p.add_argument("--out", default=None, help="write the rates here as JSON (Rates(**json.load(...)) reads them)")
+    args = p.parse_args(argv)
+    rates = dataclasses.asdict(measure_host_rates(args.devices, statistic=args.statistic))
+    print(rates["source"])
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(rates, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
