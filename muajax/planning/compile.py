@@ -42,6 +42,7 @@ class AbstractProgram:
     resident_args: dict[str, int] = dataclasses.field(default_factory=dict)
     unknown_trips: int = 1
     input_bytes: int = 0
+    attention: str | None = None  # the attention implementation the program runs
 
 
 @dataclasses.dataclass
@@ -65,6 +66,7 @@ class ProgramCost:
     kernel_bytes: float = 0.0     # and of bytes_accessed
     kernels: list[dict] = dataclasses.field(default_factory=list)   # per kernel: name, calls, flops, bytes
     uncounted: dict[str, float] = dataclasses.field(default_factory=dict)  # custom calls not costed: name -> calls
+    attention: str | None = None  # the attention implementation the program runs
 
     @property
     def fits_compiler(self) -> bool:
@@ -88,7 +90,8 @@ class ProgramCost:
                 "transient": self.transient, "xla_flops": self.xla_flops, "xla_bytes_accessed": self.xla_bytes,
                 "flops": self.flops, "bytes_accessed": self.bytes_accessed, "collective_bytes": self.collectives,
                 "collective_counts": self.collective_counts, "loops": self.loops, "lower_s": round(self.lower_s, 2),
-                "compile_s": round(self.compile_s, 2), "error": self.error, "kernel_flops": self.kernel_flops,
+                "compile_s": round(self.compile_s, 2), "error": self.error, "attention": self.attention,
+                "kernel_flops": self.kernel_flops,
                 "kernel_bytes": self.kernel_bytes, "kernels": self.kernels, "uncounted": self.uncounted}
 
 
@@ -144,7 +147,7 @@ def compile_program(program: AbstractProgram, *, platform: str, exact_oom: bool 
         memory["total"] = memory["arguments"] + needed
         return ProgramCost(program.name, platform, memory, dict(program.resident_args), lower_s=t1 - t0,
                            compile_s=time.perf_counter() - t1, error=str(error).strip().splitlines()[0][:400],
-                           input_bytes=program.input_bytes)
+                           input_bytes=program.input_bytes, attention=program.attention)
     t2 = time.perf_counter()
     cost = _cost(compiled)
     summary = hlo_cost.analyze(compiled.as_text(), program.unknown_trips)
@@ -154,4 +157,5 @@ def compile_program(program: AbstractProgram, *, platform: str, exact_oom: bool 
                        xla_flops + summary.extra_flops, xla_bytes + summary.extra_bytes, summary.collective_bytes,
                        summary.collective_counts, loops, t1 - t0, t2 - t1, input_bytes=program.input_bytes,
                        kernel_flops=summary.kernel_flops, kernel_bytes=summary.kernel_bytes,
-                       kernels=[k.to_json() for k in summary.kernels], uncounted=dict(summary.uncounted))
+                       kernels=[k.to_json() for k in summary.kernels], uncounted=dict(summary.uncounted),
+                       attention=program.attention)

@@ -81,7 +81,10 @@ def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout: GRPOLay
         reference = abstract_reference(state.params, step.param_shardings, grpo)
         resident["reference"] = shard_bytes(reference)
         args = (state, data, reference)
-    return AbstractProgram("grpo step", lambda: step.lower(*args), resident, input_bytes=shard_bytes(data)), state
+    attention = rows_attention(cfg, length=layout.longest, platform=mesh.devices.flat[0].platform,
+                               shared_prefix=layout.shared_prefix)
+    return AbstractProgram("grpo step", lambda: step.lower(*args), resident, input_bytes=shard_bytes(data),
+                           attention=attention), state
 
 
 def old_logprobs_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout: GRPOLayout, state):
@@ -91,8 +94,10 @@ def old_logprobs_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout:
     if fn is None:
         return None
     data = layout.abstract_batch(mesh)
+    attention = rows_attention(cfg, length=layout.longest, platform=mesh.devices.flat[0].platform,
+                               shared_prefix=layout.shared_prefix)
     return AbstractProgram("old logprobs", lambda: fn.lower(state.params, data), state_parts(state),
-                           input_bytes=shard_bytes(data))
+                           input_bytes=shard_bytes(data), attention=attention)
 
 
 def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, prompt_prefix: int = 0):
@@ -119,7 +124,7 @@ def sft_program(cfg: Qwen3Config, mesh: Mesh, sft, *, seq: int, prompt_prefix: i
                  "shared_prefix": prefix,
                  "attention": rows_attention(cfg, length=seq, platform=platform, shared_prefix=prefix)}
     return AbstractProgram("sft step", lambda: step.lower(state, data), state_parts(state),
-                           input_bytes=shard_bytes(data)), state, rows_info
+                           input_bytes=shard_bytes(data), attention=rows_info["attention"]), state, rows_info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,5 +204,6 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     # the decode's while_loop runs up to decode_chunk steps: its trip count is not in the HLO
     programs = [AbstractProgram(f"engine {call.name}", call.lower, resident,
                                 engine.decode_chunk if call.name == "decode" else 1,
-                                shard_bytes(call.args) - sum(resident.values())) for call in calls]
+                                shard_bytes(call.args) - sum(resident.values()), attention=spec.attention)
+                for call in calls]
     return programs, state, copy_bytes

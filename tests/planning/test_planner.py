@@ -58,6 +58,9 @@ def test_compiled_by_the_tpu_compiler(plans, name):
     assert plan.fits is True
     rollout = {p.name: p.bytes for p in phase_of(plan, "rollout").parts}
     assert any(name.startswith("engine: KV pool") and "pallas" in name for name in rollout)  # the TPU path
+    programs = plan.to_json()["programs"]  # the attention each program runs
+    assert {name: p["attention"] for name, p in programs.items()} == {
+        "engine decode": "pallas", "engine extend_32": "pallas", "grpo step": "splash"}
 
 
 @pytest.mark.parametrize("name", list(MESHES))

@@ -47,9 +47,10 @@ def poison_step(engine, monkeypatch) -> list[int]:
 def test_a_failing_step_fails_only_the_request_that_fails_it(served, monkeypatch):
     url = served.url + "/chat/completions"
     service, engine = served.service, served.service.engine
-    sampled = {**GOOD, "temperature": 1.0, "max_tokens": 160}
+    # long enough that every good request is still generating when the poisoned one joins
+    sampled = {**GOOD, "temperature": 1.0, "max_tokens": 600}
     goods = [{**sampled, "seed": 1}, {**sampled, "seed": 2, "stream": True},
-             {**GOOD, "tools": [CALCULATE], "stop": "never", "max_tokens": 160}]
+             {**GOOD, "tools": [CALCULATE], "stop": "never", "max_tokens": 600}]
     poison = {**GOOD, "seed": POISON_SEED}
 
     async def run(raised):
