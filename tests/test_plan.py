@@ -60,7 +60,7 @@ def test_plan_on_a_v5p_slice():
     out, proc = run_plan([*SMALL, "--topology", "v5p-8", "--mesh", "fsdp=2,tensor=2"])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["chip"] == "v5p" and out["fits"] is True
     assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1}
-    assert [p["name"] for p in out["phases"]] == ["rollout", "update"]
+    assert [p["name"] for p in out["phases"]] == ["sync", "rollout", "update"]  # the engine's bf16 copy is synced
     for phase in out["phases"]:
         assert phase["total"] == sum(part["bytes"] for part in phase["parts"])
     assert out["per_device_bytes"] == max(p["total"] for p in out["phases"])
@@ -76,7 +76,9 @@ def test_flag_defaults_take_the_least_memory_a_step_can():
     # no --microbatch: one row per batch device (fsdp=2: 2 rows) per microbatch; the LM head in chunks
     out, _ = run_plan(["--model", TINY, "--batch", "8", "--seq", "64", "--topology", "v5p-8", "--mesh",
                        "fsdp=2,tensor=2", "--phases", "update"])
-    assert out["rows"]["grpo"] == {"batch": 8, "microbatches": 4, "padded": 8}
+    grpo = out["rows"]["grpo"]
+    assert {k: grpo[k] for k in ("batch", "microbatches", "padded")} == {"batch": 8, "microbatches": 4, "padded": 8}
+    assert grpo["length"] == 512  # a 64-token context is padded to the shortest GRPO bucket, as the trainer pads it
     assert out["settings"]["microbatch_size"] == 2 and out["settings"]["logits_chunk"] == 2048
 
 
@@ -85,13 +87,14 @@ def test_plan_a_run_config_as_the_trainer_runs_it(config):
     out, proc = run_plan(["--config", config])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["topology"] == "v5p:2x2x1" and out["fits"] is True
     assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1} and out["remat"] == "full"
-    assert [p["name"] for p in out["phases"]] == ["rollout", "update", "sft"]  # the config's stages
+    assert [p["name"] for p in out["phases"]] == ["sync", "rollout", "update", "sft"]  # the config's stages
     # 2 x 4 rollouts in microbatches of 4; SFT's 8 rows likewise; the engine: every rollout, max_context
-    assert out["rows"] == {"grpo": {"batch": 8, "microbatches": 2, "padded": 8},
-                           "sft": {"batch": 8, "microbatches": 2, "padded": 8}}
+    shape = {kind: {k: rows[k] for k in ("batch", "microbatches", "padded")} for kind, rows in out["rows"].items()}
+    assert shape == {"grpo": {"batch": 8, "microbatches": 2, "padded": 8},
+                     "sft": {"batch": 8, "microbatches": 2, "padded": 8}}
     assert out["settings"]["seq"] == 256
     assert out["settings"]["engine"]["num_slots"] == 8 and out["settings"]["engine"]["max_len"] == 256
-    rollout, update, sft = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
+    _, rollout, update, sft = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
     assert update["reference model"] == update["train state: params"]  # float32, as run_grpo keeps it
     assert any(name.startswith("engine: KV pool") and "pallas" in name for name in rollout)  # the TPU path
     assert not any(name.startswith("engine") for name in update)  # copy and pool let go for the update
@@ -107,7 +110,7 @@ def test_the_configs_engine_pool_is_planned(config):
     out, _ = run_plan(["--config", config, "--phases", "rollout,update", "--set", "rollout.kv_cache_tokens=1024",
                        "rollout.keep_kv_pool=true"])
     assert out["settings"]["engine"]["kv_cache_tokens"] == 1024 and out["settings"]["keep_kv_during_update"]
-    rollout, update = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
+    _, rollout, update = ({part["name"]: part["bytes"] for part in p["parts"]} for p in out["phases"])
     (pool,) = [name for name in update if name.startswith("engine: KV pool")]  # kept through the update
     assert pool.startswith("engine: KV pool (1024 tokens") and rollout[pool] == update[pool] > 0
 

@@ -63,7 +63,8 @@ def test_sweep_ranks_prunes_and_writes(devices, tmp_path):
                         head_dim=64)
     meshes = [{"data": 4, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 4, "tensor": 1},
               {"data": 1, "fsdp": 2, "tensor": 2}]
-    out = run_sweep(wide, "wide", devices=devices, settings=PlanSettings(batch=8, seq=64), remats=("full",),
+    settings = PlanSettings(batch=8, seq=64, grpo=GRPOConfig(length_buckets=(64,)))
+    out = run_sweep(wide, "wide", devices=devices, settings=settings, remats=("full",),
                     topology="v5p:2x2x1", chip=get_chip("v5p"), hbm_bytes=110 * 10**6, out_dir=str(tmp_path),
                     meshes=meshes)
     rows, summary = out["rows"], out["summary"]
