@@ -192,3 +192,19 @@ def executed_step_flops(cfg: Qwen3Config, batch: int, seq: int, *, reference: bo
     `shared_prefix` the prefix runs once per microbatch, through the cache form."""
     return sum(executed_step_parts(cfg, batch, seq, reference=reference, shared_prefix=shared_prefix,
                                    microbatches=microbatches, logits_chunk=logits_chunk, platform=platform).values())
+
+
+def real_token_flops(cfg, lengths, *, passes: float, shared_prefix: int = 0,
+                     prefix_runs: int = 1) -> float:
+    """Model FLOPs of `passes` forward-equivalents (3 for forward + backward, 4 with a
+    reference forward) over rows of these real lengths, padding excluded; with a
+    `shared_prefix`, its tokens are counted `prefix_runs` times (as the step computes
+    them: once per microbatch) instead of once per row."""
+    rows = sum(forward_flops(cfg, 1, n, shared_prefix=shared_prefix, prefix_runs=0) if shared_prefix
+               else forward_flops(cfg, 1, n) for n in lengths if n > shared_prefix)
+    prefix = 0.0
+    if shared_prefix:  # the layers over the prefix, once: its LM-head positions are in the rows'
+        one = forward_flops(cfg, 1, shared_prefix + 1, shared_prefix=shared_prefix, prefix_runs=1)
+        prefix = prefix_runs * (one - forward_flops(cfg, 1, shared_prefix + 1, shared_prefix=shared_prefix,
+                                                    prefix_runs=0))
+    return passes * (rows + prefix)

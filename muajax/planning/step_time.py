@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from muajax.chips import Chip
-from muajax.models.flops import forward_flops, head_params, train_step_flops
+from muajax.models.flops import forward_flops, head_params, real_token_flops, train_step_flops
 from muajax.planning.compile import ProgramCost
 from muajax.planning.roofline import COLLECTIVE_FACTORS
 from muajax.planning.rollout_profile import RolloutProfile
@@ -164,19 +164,12 @@ def _train_flops(cfg, rows: int, length: int, s: StepSettings, forward_only: boo
 
 def useful_flops(cfg, lengths, s: StepSettings) -> float:
     """The updates' model FLOPs on the rows' real tokens, counted as the trainer counts them
-    for its MFU (`muajax.train.step_metrics.real_token_flops`): forward-equivalents (3 per
-    update, 4 with the reference, 1 for the recompute) over each row's real length, the
-    shared prefix's layers once per microbatch of each update."""
+    for its MFU (`muajax.models.flops.real_token_flops`): forward-equivalents (3 per update, 4
+    with the reference, 1 for the recompute) over each row's real length, the shared prefix's
+    layers once per microbatch of each update."""
     passes = (4.0 if s.reference else 3.0) * s.ppo_epochs + (1.0 if s.recompute else 0.0)
-    p = s.shared_prefix
-    rows = sum(forward_flops(cfg, 1, n, shared_prefix=p, prefix_runs=0) if p else forward_flops(cfg, 1, n)
-               for n in lengths if n > p)
-    prefix = 0.0
-    if p:
-        prefix = s.updates_per_epoch * s.microbatches * (
-            forward_flops(cfg, 1, p + 1, shared_prefix=p, prefix_runs=1)
-            - forward_flops(cfg, 1, p + 1, shared_prefix=p, prefix_runs=0))
-    return passes * (rows + prefix)
+    return real_token_flops(cfg, lengths, passes=passes, shared_prefix=s.shared_prefix,
+                            prefix_runs=s.updates_per_epoch * s.microbatches)
 
 
 def missing_loops(cost: ProgramCost, executed_flops: float) -> float:

@@ -22,14 +22,14 @@ import numpy as np
 from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.settings.fields import config_to_dict
-from muajax.models.flops import forward_flops, train_step_flops
+from muajax.models.flops import forward_flops, real_token_flops, train_step_flops
 from muajax.runtime import distributed
 from muajax.runtime.grpo_layout import check_batch, grpo_layout, system_prompt_prefix
 from muajax.runtime.host_batch import grpo_update_batches
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
-from muajax.train.step_metrics import call_without_compile, perf_record, real_token_flops
+from muajax.train.step_metrics import call_without_compile, perf_record
 
 
 class FailedRolloutsError(RuntimeError):

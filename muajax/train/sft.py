@@ -17,7 +17,7 @@ from muajax.agent.chat import render_messages_ids
 from muajax.settings.fields import config_to_dict
 from muajax.domains.base import WRITES_CONFIRMED
 from muajax.domains.builtin.expert import expert_records
-from muajax.models.flops import train_step_flops
+from muajax.models.flops import real_token_flops, train_step_flops
 from muajax.rl.optim import optimizer_from_config
 from muajax.rl.sft import make_sft_step
 from muajax.runtime import distributed
@@ -27,7 +27,7 @@ from muajax.runtime.host_batch import (LENGTH_MULTIPLE, batch_divisor, common_pr
 from muajax.runtime.packing import PackingPlan, pack, packed_batch, plan_packing
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
-from muajax.train.step_metrics import call_without_compile, perf_record, real_token_flops
+from muajax.train.step_metrics import call_without_compile, perf_record
 from muajax.train.pretraining import copy_warmup, domain_warmup
 
 Example = tuple[list[int], list[int]]  # (token ids, assistant mask)

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from muajax.chips import chip_for_device_kind
-from muajax.models.flops import forward_flops
 from muajax.train.compilation import CompileClock
 
 T = TypeVar("T")
@@ -123,22 +122,6 @@ def perf_record(model_flops: float, seconds: float, devices: int, peak: float | 
     if high_water is not None:
         out["perf/hbm_peak_bytes"] = high_water
     return out
-
-
-def real_token_flops(cfg, lengths: Sequence[int], *, passes: float, shared_prefix: int = 0,
-                     prefix_runs: int = 1) -> float:
-    """Model FLOPs of `passes` forward-equivalents (3 for forward + backward, 4 with a
-    reference forward) over rows of these real lengths, padding excluded; with a
-    `shared_prefix`, its tokens are counted `prefix_runs` times (as the step computes
-    them: once per microbatch) instead of once per row."""
-    rows = sum(forward_flops(cfg, 1, n, shared_prefix=shared_prefix, prefix_runs=0) if shared_prefix
-               else forward_flops(cfg, 1, n) for n in lengths if n > shared_prefix)
-    prefix = 0.0
-    if shared_prefix:  # the layers over the prefix, once: its LM-head positions are in the rows'
-        one = forward_flops(cfg, 1, shared_prefix + 1, shared_prefix=shared_prefix, prefix_runs=1)
-        prefix = prefix_runs * (one - forward_flops(cfg, 1, shared_prefix + 1, shared_prefix=shared_prefix,
-                                                    prefix_runs=0))
-    return passes * (rows + prefix)
 
 
 def hbm_high_water(devices=None) -> int | None:

@@ -161,7 +161,7 @@ def test_measured_takes_the_medians_of_a_run(tmp_path):
 
 def test_the_useful_flops_are_counted_as_the_trainer_counts_its_mfu():
     from muajax.planning.step_time import useful_flops
-    from muajax.train.step_metrics import real_token_flops
+    from muajax.models.flops import real_token_flops
 
     plan = _plan(grpo=GRPOConfig(kl_coef=0.001, minibatch_size=4, ppo_epochs=2, recompute_old_logprobs=True))
     s = step_settings(plan, _rollout())

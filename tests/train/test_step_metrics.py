@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from muajax.models.flops import train_step_flops
+from muajax.models.flops import real_token_flops, train_step_flops
 from muajax.runtime.host_batch import length_buckets
 from muajax.runtime.grpo_layout import system_prompt_prefix
 from muajax.train.sft import read_examples
 from muajax.train.step_metrics import (ProfileWindow, device_peak_flops, hbm_high_water, measure_matmul_peak,
-                                       peak_flops, perf_record, real_token_flops,
-                                       step_throughput)
+                                       peak_flops, perf_record, step_throughput)
 from tests.support.toy_run import toy_config, toy_trainer
 
 
