@@ -102,9 +102,10 @@ class Engine:
         self._priority = itertools.count()
         self._prefixes: list[SharedPrefix] = []
         self._prefix_params: list[weakref.ref] = []
+        # *_tokens: real tokens written or sampled; *_positions: token slots the layers computed
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "extend_tokens": 0, "device_s": 0.0, "decode_calls": 0,
-                      "extend_calls": 0, "preemptions": 0, "prefix_hits": 0, "prefix_prefill_tokens": 0,
-                      "peak_pages": 0}
+                      "extend_calls": 0, "extend_positions": 0, "decode_positions": 0, "preemptions": 0,
+                      "prefix_hits": 0, "prefix_prefill_tokens": 0, "peak_pages": 0}
 
     # ------------------------------------------------------------------ conversations
     @property
@@ -296,6 +297,7 @@ class Engine:
                                              fixed_rows=self.batch_rows is not None):
             self.stats["extend_tokens"] += int(batch.num_new.sum())
             self.stats["extend_calls"] += 1
+            self.stats["extend_positions"] += batch.tokens.size  # every padded slot runs the layers
             args = (batch.page_table, batch.lengths, batch.tokens, batch.num_new)
             self._run(self._programs.extend, args, dense_pages=batch.dense_pages)
 
@@ -311,6 +313,7 @@ class Engine:
         tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(counts.max())
+        self.stats["decode_positions"] += len(rows.order) * int(counts.max())  # every row, each step run
         finished = []
         slot_of = {id(state): slot for slot, state in self._slots.items()}
         for i, state in enumerate(rows.order):
