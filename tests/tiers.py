@@ -132,4 +132,13 @@ SLOW = {
     "tests/rl/test_old_logprobs.py::test_recomputed_old_logprobs_make_the_first_ratio_exactly_one": 23,
     "tests/rl/test_old_logprobs.py::test_the_mini_batch_forward_gives_the_trainer_s_logprobs[2]": 8,
     "tests/rl/test_sequence.py::test_chunked_logits_equal_the_whole_head[padded]": 5,
+    # --- packed GRPO rows equal padded ones. Default tier: token-mean with and without the
+    # shared prefix ([options0-0], [options0-12]); the other aggregations and the whole step here.
+    "tests/rl/test_grpo_packed.py::test_packed_rows_give_the_padded_loss_and_gradient[options1-0]": 10,
+    "tests/rl/test_grpo_packed.py::test_packed_rows_give_the_padded_loss_and_gradient[options1-12]": 15,
+    "tests/rl/test_grpo_packed.py::test_packed_rows_give_the_padded_loss_and_gradient[options2-0]": 8,
+    "tests/rl/test_grpo_packed.py::test_packed_rows_give_the_padded_loss_and_gradient[options2-12]": 16,
+    "tests/rl/test_grpo_packed.py::test_packed_rows_give_the_padded_loss_and_gradient[options3-0]": 10,
+    "tests/rl/test_grpo_packed.py::test_packed_rows_give_the_padded_loss_and_gradient[options3-12]": 20,
+    "tests/rl/test_grpo_packed.py::test_the_packed_step_updates_as_the_padded_one_in_microbatches": 30,
 }

@@ -67,6 +67,11 @@ class GRPOConfig(Checked):
     # Padded lengths of the rollout batches, one compilation of the step each: a batch takes
     # the shortest that holds its longest rollout. None: 512 doubled up to rollout.max_context.
     length_buckets: tuple[int, ...] | None = None
+    # Trajectories packed into rows of the length bucket with segment ids (first-fit
+    # decreasing; the shared prefix once per row), so the update computes close to the real
+    # tokens; false: one trajectory per row, padded to the bucket of the longest. Loss and
+    # gradient are the same either way (`muajax.runtime.grpo_packing`).
+    pack_rows: bool = True
     # More than this many steps in a row with a non-finite loss or gradient (each such
     # update is dropped) stops the run after a checkpoint: the cause (a learning rate, a
     # poisoned batch, params gone NaN) will not fix itself. null: never stop.
@@ -105,15 +110,30 @@ class GRPOConfig(Checked):
         return 1 if self.minibatch_size is None else self.ppo_epochs * max(1, batch_size // self.minibatch_size)
 
 
-def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shared_prefix: int) -> LossFn:
-    """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0."""
+def _packing(mb: dict, segments: int | None) -> dict:
+    """policy_loss_terms' packed-row arguments for a microbatch (none for padded rows)."""
+    if "segment_ids" not in mb:
+        return {}
+    if segments is None:
+        raise ValueError("a packed GRPO batch needs the step's `segments` (most trajectories per update + 1)")
+    # the targets' segments: position t predicts token t + 1
+    return dict(segment_ids=shift_left(mb["segment_ids"]), num_segments=segments, sum_norm=mb["sum_norm"])
+
+
+def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shared_prefix: int,
+                 segments: int | None = None) -> LossFn:
+    """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0.
+    Packed rows (`segment_ids` in the batch) need `segments`, an id bound."""
 
     def loss_fn(params, ref_params, mb):
         tokens = mb["tokens"]
         targets = shift_left(tokens)
         mask = shift_left(mb["loss_mask"]).astype(jnp.float32)
+        packing = _packing(mb, segments)
+        seg = mb.get("segment_ids")
+        advantages = shift_left(mb["advantages"]) if packing else mb["advantages"]
         logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
-                                      logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+                                      logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix, segment_ids=seg)
         if grpo.recompute_old_logprobs and grpo.minibatch_size is None:
             # one update per step: the params being differentiated are the ones the step starts from
             old = jax.lax.stop_gradient(logp)
@@ -122,10 +142,11 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         ref_logp = None
         if grpo.uses_reference:
             ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=temperature,
-                                            logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+                                            logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
+                                            segment_ids=seg)
             ref_logp = jax.lax.stop_gradient(ref_logp)
-        loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, mb["advantages"], mask,
-                                                  **grpo.loss_settings())
+        loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, advantages, mask,
+                                                  **grpo.loss_settings(), **packing)
         sums = dict(sums, entropy_sum=jax.lax.stop_gradient(jnp.where(mask > 0, ent, 0.0).sum()))
         return loss_sum, denom, sums
 
@@ -133,37 +154,42 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
 
 
 def make_old_logprobs_fn(cfg: Qwen3Config, mesh, grpo: GRPOConfig, *, temperature: float, shared_prefix: int = 0,
-                         microbatches: int = 1) -> Callable:
+                         microbatches: int = 1, packed: bool = False) -> Callable:
     """`fn(params, batch) -> old_logprobs` f32 [B, T]: the trainer's forward of `params` (no
     gradient) over the batch's tokens, indexed by the token they describe like the rollout's
     (0 off the loss mask): `grpo.recompute_old_logprobs` with mini-batches, computed for every
-    mini-batch before the step's first update. Rows run `microbatches` at a time."""
+    mini-batch before the step's first update. Rows run `microbatches` at a time; `packed`
+    rows carry `segment_ids`."""
     shardings = param_shardings(cfg, mesh)
     rows = NamedSharding(mesh, PartitionSpec(parallel.BATCH_AXES, None))
 
-    def one(params, tokens):
+    def one(params, tokens, segment_ids):
         logp, _ = sequence_logprobs(params, cfg, tokens, shift_left(tokens), temperature=temperature,
-                                    logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix)
+                                    logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
+                                    segment_ids=segment_ids)
         return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=1)  # by the token predicted
 
-    def fn(params, tokens, loss_mask):
+    def fn(params, tokens, loss_mask, *segment_ids):  # segment_ids: one array (packed) or none
         if microbatches == 1:
-            old = one(params, tokens)
+            old = one(params, tokens, *segment_ids or [None])
         else:
-            split = split_microbatches(tokens, microbatches, mesh)
-            old = jax.lax.map(lambda t: one(params, t), split)
+            split = lambda x: split_microbatches(x, microbatches, mesh)
+            old = jax.lax.map(lambda ts: one(params, *ts, *([None] * (2 - len(ts)))),
+                              (split(tokens), *map(split, segment_ids)))
             old = old.swapaxes(0, 1).reshape(tokens.shape)  # undo the strided split
         return jnp.where(loss_mask > 0, old, 0.0)
 
-    jitted = jax.jit(fn, in_shardings=(shardings, rows, rows), out_shardings=rows)
+    fields = ("tokens", "loss_mask") + (("segment_ids",) if packed else ())
+    jitted = jax.jit(fn, in_shardings=(shardings, *[rows] * len(fields)), out_shardings=rows)
+    arguments = lambda batch: tuple(batch[k] for k in fields)
 
     def old_logprobs(params, batch):
         with parallel.activation_rules(mesh):
-            return jitted(params, batch["tokens"], batch["loss_mask"])
+            return jitted(params, *arguments(batch))
 
     def lower(params, batch):  # for ahead-of-time analysis (the planner)
         with parallel.activation_rules(mesh):
-            return jitted.lower(params, batch["tokens"], batch["loss_mask"])
+            return jitted.lower(params, *arguments(batch))
 
     old_logprobs.lower = lower
     return old_logprobs
@@ -188,14 +214,15 @@ def grpo_finalize(denom, sums) -> dict:
 
 def make_grpo_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, grpo: GRPOConfig = GRPOConfig(),
                    temperature: float = 1.0, shared_prefix: int = 0,
-                   microbatches: int = 1, donate: bool = True) -> TrainStep:
+                   microbatches: int = 1, donate: bool = True, segments: int | None = None) -> TrainStep:
     """The GRPO update. Call as `step(state, batch, ref_params)`; without KL (kl_coef == 0)
     as `step(state, batch)`: the reference model is then neither passed nor run.
 
     `temperature` is the rollout's (logprobs are of the tempered distribution), `shared_prefix`
-    the tokens every row starts with (the system prompt: computed once per batch)."""
+    the tokens every row starts with (the system prompt: computed once per batch), `segments`
+    the bound on packed rows' segment ids (`muajax.runtime.grpo_packing`; None: padded rows)."""
     shardings = param_shardings(cfg, mesh)
-    loss = grpo_loss_fn(cfg, grpo, temperature=temperature, shared_prefix=shared_prefix)
+    loss = grpo_loss_fn(cfg, grpo, temperature=temperature, shared_prefix=shared_prefix, segments=segments)
     step = TrainStep(loss, optimizer, mesh, shardings, microbatches=microbatches,
                      prepare_fn=grpo_prepare, finalize_fn=grpo_finalize,
                      frozen_shardings=shardings if grpo.uses_reference else None,

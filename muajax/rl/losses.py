@@ -14,6 +14,14 @@ Every reduction is written as (sum, count) so that microbatches combine exactly:
 full-batch metrics come from `finalize_policy_metrics` applied to the summed pieces.
 For "seq-mean-token-sum-norm" this requires every microbatch to share the padded
 length T, which is the normaliser.
+
+Packed rows (several sequences one after another in a row, `muajax.runtime.grpo_packing`)
+pass `segment_ids` [B, T]: each target's sequence, an id unique in the batch (0: padding),
+below the static `num_segments`. A sequence is then a segment, not a row: advantages come
+per token ([B, T], each its sequence's), and the per-sequence reductions (the seq-mean
+modes' token counts, GSPO's mean log-ratio, the sequence count) run over segments, so each
+trajectory weighs as it does alone in its own row. `sum_norm` [B] is then the padded length
+"seq-mean-token-sum-norm" divides by (the length the unpacked rows would have: T there).
 """
 from __future__ import annotations
 
@@ -59,7 +67,7 @@ def _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_cla
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
 
 
-def _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask) -> None:
+def _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, packed: bool = False) -> None:
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {logprobs.shape}")
     named = {"old_logprobs": old_logprobs, "loss_mask": loss_mask}
@@ -68,8 +76,10 @@ def _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask) -
     for name, arr in named.items():
         if arr.shape != logprobs.shape:
             raise ValueError(f"{name} must have the shape of logprobs {logprobs.shape}, got {arr.shape}")
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [B] = {logprobs.shape[:1]}, got {advantages.shape}")
+    want = logprobs.shape if packed else logprobs.shape[:1]
+    if advantages.shape != want:
+        raise ValueError(f"advantages must be {list(want)} (per {'token' if packed else 'row'}), got "
+                         f"{advantages.shape}")
 
 
 def kl_estimate(diff, estimator: str, clamp: float | None = K3_CLAMP):
@@ -86,26 +96,58 @@ def kl_estimate(diff, estimator: str, clamp: float | None = K3_CLAMP):
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def _token_weights(maskf, tok_count, agg):
-    """w with loss_sum = sum(w * per_token): each agg mode is a weighted token sum."""
+def _token_weights(maskf, tok_count, agg, sum_norm=None):
+    """w with loss_sum = sum(w * per_token): each agg mode is a weighted token sum.
+    `tok_count` is per token ([B, T]: its sequence's count)."""
     if agg == "token-mean":
         return maskf
     if agg == "seq-mean-token-mean":
-        return maskf / jnp.maximum(tok_count, 1.0)[:, None]
+        return maskf / jnp.maximum(tok_count, 1.0)
     # Dr. GRPO: a constant normaliser, so long and short responses weigh per token alike.
+    if sum_norm is not None:
+        return maskf / jnp.maximum(sum_norm.astype(jnp.float32), 1.0)[:, None]  # padding rows carry 0
     return maskf / maskf.shape[-1]
 
 
+class _Sequences:
+    """Per-sequence sums seen from each token: rows ([B, T] -> [B, 1]) or, with segment ids,
+    segments ([B, T] -> each token's segment's sum, [B, T])."""
+
+    def __init__(self, segment_ids, num_segments):
+        self.ids, self.n = segment_ids, num_segments
+
+    def sums(self, x):
+        """Each sequence's sum of x [B, T]: [S] (segments, id 0 included) or [B] (rows)."""
+        if self.ids is None:
+            return x.sum(axis=-1)
+        return jax.ops.segment_sum(x.reshape(-1), self.ids.reshape(-1), num_segments=self.n)
+
+    def per_token(self, sums):
+        """A sequence value back at each of its tokens (broadcastable against [B, T])."""
+        return sums[:, None] if self.ids is None else sums[self.ids]
+
+    def count(self, tok_sums):
+        """How many sequences have at least one unmasked token (padding, segment 0, never)."""
+        real = tok_sums > 0 if self.ids is None else (tok_sums > 0) & (jnp.arange(self.n) > 0)
+        return real.astype(jnp.float32).sum()
+
+
 def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low, clip_high,
-           dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level):
+           dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level, segment_ids=None, num_segments=None,
+           sum_norm=None):
     _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level)
-    _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask)
+    packed = segment_ids is not None
+    _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, packed)
+    if packed and (num_segments is None or segment_ids.shape != logprobs.shape):
+        raise ValueError("packed rows need segment_ids shaped like logprobs and a static num_segments")
     f32 = jnp.float32
     mask = loss_mask != 0
     maskf = mask.astype(f32)
     logp = logprobs.astype(f32)
-    adv = advantages.astype(f32)[:, None]
-    tok_count = maskf.sum(axis=-1)
+    adv = advantages.astype(f32) if packed else advantages.astype(f32)[:, None]
+    seqs = _Sequences(segment_ids, num_segments)
+    seq_tokens = seqs.sums(maskf)
+    tok_count = seqs.per_token(seq_tokens)
 
     # Masking with `where` before any nonlinearity: padding often carries garbage
     # (-inf old/ref logprobs), and a select's transpose hands masked positions an exact
@@ -116,10 +158,10 @@ def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_
         # GSPO-token: value exp(masked mean log-ratio), gradient s_i * grad log pi(y_t)
         # for each token. Summed over a sequence's tokens with the 1/|y_i| of a token
         # mean, that is exactly GSPO's sequence gradient s_i * mean_t grad log pi.
-        seq_log_ratio = log_ratio.sum(axis=-1) / jnp.maximum(tok_count, 1.0)
+        seq_log_ratio = seqs.per_token(seqs.sums(log_ratio)) / jnp.maximum(tok_count, 1.0)
         logp_m = jnp.where(mask, logp, 0.0)
         log_ratio = jnp.where(
-            mask, jax.lax.stop_gradient(seq_log_ratio)[:, None] + logp_m - jax.lax.stop_gradient(logp_m), 0.0)
+            mask, jax.lax.stop_gradient(seq_log_ratio) + logp_m - jax.lax.stop_gradient(logp_m), 0.0)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
     pg_unclipped = -adv * ratio
@@ -146,9 +188,9 @@ def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_
     per_token = pg + kl_coef * kl if (kl_coef != 0 and ref_logprobs is not None) else pg
 
     sg = jax.lax.stop_gradient
-    weights = _token_weights(maskf, tok_count, agg)
+    weights = _token_weights(maskf, tok_count, agg, sum_norm if packed else None)
     loss_sum = (per_token * weights).sum()
-    num_seqs = (tok_count > 0).astype(f32).sum()
+    num_seqs = seqs.count(seq_tokens)
     sums = {
         "num_tokens": maskf.sum(),
         "num_seqs": num_seqs,
@@ -186,11 +228,14 @@ def finalize_policy_metrics(denominator, metrics_sums):
     }
 
 
-@partial(jax.jit, static_argnames=_STATIC)
+@partial(jax.jit, static_argnames=_STATIC + ("num_segments",))
 def policy_loss_terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low=0.2,
                       clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", kl_clamp=K3_CLAMP,
-                      agg="token-mean", ratio_level="token"):
+                      agg="token-mean", ratio_level="token", segment_ids=None, num_segments=None,
+                      sum_norm=None):
     """(loss_sum, denominator, metrics_sums) of one (micro)batch; see `policy_loss`.
+    Packed rows: `segment_ids`, `num_segments`, `sum_norm` and per-token advantages (see
+    the module docstring).
 
     Over microbatches, the full-batch loss is sum(loss_sum) / sum(denominator); the
     denominator counts unmasked tokens for "token-mean" and sequences with at least one
@@ -201,7 +246,8 @@ def policy_loss_terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mas
     """
     return _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, clip_low=clip_low,
                   clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                  kl_clamp=kl_clamp, agg=agg, ratio_level=ratio_level)
+                  kl_clamp=kl_clamp, agg=agg, ratio_level=ratio_level, segment_ids=segment_ids,
+                  num_segments=num_segments, sum_norm=sum_norm)
 
 
 @partial(jax.jit, static_argnames=_STATIC)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from muajax.models.context_parallel import sequence_split
 from muajax.models.qwen3 import Qwen3Config, forward, forward_shared_prefix, lm_head
 from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
+from muajax.rl.packed_prefix import forward_packed_prefix
 
 
 def _head(params, cfg: Qwen3Config):
@@ -70,11 +71,12 @@ def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature:
     With `shared_prefix` = P > 0 every row must begin with the same P tokens (the system
     prompt): they run once, not once per row (`forward_shared_prefix`).
     `segment_ids` [B, T] runs packed rows (see `forward`): attention stays in each segment
-    and positions restart in each.
+    and positions restart in each. With both, the rows' first P columns are the common
+    prefix, run once, and every segment after it continues it (`forward_packed_prefix`).
     """
     if shared_prefix and segment_ids is not None:
-        raise ValueError("sequence_logprobs: a shared prefix and packed segments do not combine")
-    if shared_prefix:
+        hidden = forward_packed_prefix(params, cfg, tokens, segment_ids, shared_prefix)
+    elif shared_prefix:
         hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
     else:
         hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids)

@@ -10,11 +10,16 @@ A layout fixes, from the run config, the mesh and the conversations' common prom
   from 512 up to `rollout.max_context`);
 - the shared prefix: the tokens every row starts with that the step computes once per
   microbatch instead of once per row (`shared_prefix_tokens`);
-- the logprobs' temperature (the rollout's).
+- the logprobs' temperature (the rollout's);
+- whether trajectories are packed into rows with segment ids (`grpo.pack_rows`,
+  `muajax.runtime.grpo_packing`) or padded one per row.
 
-The batch an update takes is `GRPO_BATCH_FIELDS` at [padded rows, bucket]: the host builds
-it (`muajax.runtime.host_batch.grpo_update_batches`) and the planner declares it abstractly
-(`GRPOLayout.abstract_batch`).
+The batch an update takes is `fields()` (`GRPO_BATCH_FIELDS` padded, `PACKED_BATCH_FIELDS`
+packed) at [rows, bucket]: the host builds it (`GRPOLayout.update_batches`) and the planner
+declares it abstractly (`GRPOLayout.abstract_batch`). Padded rows are always the padded
+rows; packed ones are one of `row_buckets()`, as few as the step's lengths pack into, and
+the planner compiles the most (what a step whose trajectories do not pack runs: its memory
+bounds every other's).
 """
 from __future__ import annotations
 
@@ -29,7 +34,9 @@ from muajax.models import attention
 from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import optimizer_from_config
-from muajax.runtime.host_batch import batch_divisor, common_prefix, length_buckets, microbatch_count
+from muajax.runtime.grpo_packing import grpo_packed_batches, row_buckets
+from muajax.runtime.host_batch import (batch_divisor, common_prefix, grpo_update_batches, length_buckets,
+                                       microbatch_count)
 
 # A common prompt shorter than this is not worth a prefix pass of its own: a page of the
 # engine's TPU pool, and the smallest block the attention kernels tile by.
@@ -37,6 +44,11 @@ MIN_SHARED_PREFIX = 128
 # What one update's batch holds: name -> (dtype, per-row shape: "T" is the length bucket).
 GRPO_BATCH_FIELDS = {"tokens": (np.int32, ("T",)), "loss_mask": (np.int32, ("T",)),
                      "old_logprobs": (np.float32, ("T",)), "advantages": (np.float32, ())}
+# Packed rows: advantages per token, each trajectory's segment id, and the padded length the
+# "seq-mean-token-sum-norm" aggregation divides by.
+PACKED_BATCH_FIELDS = {"tokens": (np.int32, ("T",)), "loss_mask": (np.int32, ("T",)),
+                       "old_logprobs": (np.float32, ("T",)), "advantages": (np.float32, ("T",)),
+                       "segment_ids": (np.int32, ("T",)), "sum_norm": (np.float32, ())}
 
 
 def system_prompt_prefix(env, tokenizer, tasks) -> int:
@@ -86,6 +98,20 @@ class GRPOLayout:
     shared_prefix: int
     temperature: float             # the rollout's, floored away from 0 (logprobs divide by it)
     divisor: int                   # an update's rows come in multiples of this
+    packed: bool = False           # trajectories packed into rows with segment ids
+
+    def fields(self) -> dict:
+        """The update batch's fields: name -> (dtype, per-row shape)."""
+        return PACKED_BATCH_FIELDS if self.packed else GRPO_BATCH_FIELDS
+
+    @property
+    def segments(self) -> int | None:
+        """Packed rows: a bound on their segment ids (every trajectory of an update, + 1)."""
+        return self.update_rows + 1 if self.packed else None
+
+    def row_buckets(self) -> tuple[int, ...]:
+        """The row counts an update's batch may have (one process)."""
+        return row_buckets(self.padded_rows, self.divisor) if self.packed else (self.padded_rows,)
 
     @property
     def padded_rows(self) -> int:
@@ -100,7 +126,8 @@ class GRPOLayout:
         """The jitted GRPO update (`muajax.rl.grpo.make_grpo_step`) for this layout."""
         optimizer = optimizer_from_config(grpo, total_steps=total_steps)
         return make_grpo_step(model_cfg, optimizer, mesh, grpo=grpo, temperature=self.temperature,
-                              shared_prefix=self.shared_prefix, microbatches=self.microbatches)
+                              shared_prefix=self.shared_prefix, microbatches=self.microbatches,
+                              segments=self.segments)
 
     def make_old_logprobs_fn(self, model_cfg: Qwen3Config, mesh, grpo):
         """The forward that recomputes old logprobs before the first of several mini-batch
@@ -108,14 +135,25 @@ class GRPOLayout:
         if not (grpo.recompute_old_logprobs and grpo.minibatch_size is not None):
             return None
         return make_old_logprobs_fn(model_cfg, mesh, grpo, temperature=self.temperature,
-                                    shared_prefix=self.shared_prefix, microbatches=self.microbatches)
+                                    shared_prefix=self.shared_prefix, microbatches=self.microbatches,
+                                    packed=self.packed)
 
-    def abstract_batch(self, mesh, length: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
-        """One update's batch as the host places it, at `length` (default: the longest bucket)."""
+    def update_batches(self, trajectories, grpo, *, mesh, pad_id: int, first_group: int) -> list[dict]:
+        """A step's trajectories -> the placed batch of each of its updates, padded or packed."""
+        common = dict(mesh=mesh, pad_id=pad_id, buckets=self.buckets, first_group=first_group,
+                      divisor=self.divisor, shared_prefix=self.shared_prefix)
+        if self.packed:
+            return grpo_packed_batches(trajectories, grpo, padded_rows=self.padded_rows, **common)
+        return grpo_update_batches(trajectories, grpo, **common)
+
+    def abstract_batch(self, mesh, length: int | None = None, rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+        """One update's batch as the host places it, at `length` (default: the longest bucket)
+        and `rows` (default: the most, `padded_rows`)."""
         length = self.longest if length is None else length
+        rows = self.padded_rows if rows is None else rows
         out = {}
-        for name, (dtype, row) in GRPO_BATCH_FIELDS.items():
-            shape = (self.padded_rows, *(length for _ in row))
+        for name, (dtype, row) in self.fields().items():
+            shape = (rows, *(length for _ in row))
             out[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=parallel.batch_sharding(mesh, len(shape)))
         return out
 
@@ -131,7 +169,7 @@ def make_layout(mesh, model_cfg: Qwen3Config, grpo, *, batch_size: int, max_cont
     platform = mesh.devices.flat[0].platform
     prefix = shared_prefix_tokens(prompt_prefix, model_cfg, length=max(buckets), platform=platform)
     return GRPOLayout(batch_size, update_rows, micro, buckets, prefix, max(temperature, 1e-6),
-                      batch_divisor(mesh, micro))
+                      batch_divisor(mesh, micro), packed=grpo.pack_rows)
 
 
 def grpo_layout(cfg, mesh, model_cfg: Qwen3Config, *, prompt_prefix: int) -> GRPOLayout:
@@ -156,11 +194,13 @@ def field_dtypes(batch: dict) -> dict[str, np.dtype]:
 
 def check_batch(batch: dict, layout: GRPOLayout) -> None:
     """Raise if a host batch is not what the layout declares (fields, dtypes, rows, a bucket)."""
-    want = {k: np.dtype(d) for k, (d, _) in GRPO_BATCH_FIELDS.items()}
+    want = {k: np.dtype(d) for k, (d, _) in layout.fields().items()}
     if field_dtypes(batch) != want:
         raise TypeError(f"GRPO batch fields {field_dtypes(batch)} are not the layout's {want}")
     rows, length = batch["tokens"].shape
     if length not in layout.buckets or rows % layout.divisor:
         raise ValueError(f"GRPO batch [{rows}, {length}]: rows must be a multiple of {layout.divisor} and the "
                          f"length one of {layout.buckets}")
+    if layout.packed and jax.process_count() == 1 and rows not in layout.row_buckets():
+        raise ValueError(f"packed GRPO batch of {rows} rows: expected one of {layout.row_buckets()}")
 

@@ -328,11 +328,9 @@ def place_shared(batch: dict[str, np.ndarray], mesh: Mesh, divisor: int, pad_id:
     return same_on_every_process(pad_to_multiple(batch, divisor, pad_id), mesh)
 
 
-def grpo_update_batches(trajectories: Sequence[Trajectory], grpo, *, mesh: Mesh, pad_id: int,
-                        buckets: Sequence[int], first_group: int, divisor: int,
-                        shared_prefix: int = 0) -> list[dict]:
-    """A step's trajectories -> the placed batch of each of its updates (one, or one per
-    mini-batch of `grpo.minibatch_size` rows): collate, mask, advantages, place."""
+def grpo_rows(trajectories: Sequence[Trajectory], grpo, *, pad_id: int, buckets: Sequence[int], first_group: int,
+              shared_prefix: int = 0) -> dict[str, np.ndarray]:
+    """A step's trajectories -> this process's rows, collated, masked, with advantages."""
     batch = collate_share(trajectories, pad_id=pad_id, first_group=first_group,
                           length_of=lambda longest: bucket_length(longest, buckets))
     batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
@@ -340,6 +338,15 @@ def grpo_update_batches(trajectories: Sequence[Trajectory], grpo, *, mesh: Mesh,
         raise RuntimeError(f"rollouts no longer share the {shared_prefix}-token system prompt")
     if grpo.dynamic_sampling:  # DAPO: groups with one outcome carry no signal
         batch = mask_uniform_groups(batch)
-    batch = with_advantages(batch, grpo)
+    return with_advantages(batch, grpo)
+
+
+def grpo_update_batches(trajectories: Sequence[Trajectory], grpo, *, mesh: Mesh, pad_id: int,
+                        buckets: Sequence[int], first_group: int, divisor: int,
+                        shared_prefix: int = 0) -> list[dict]:
+    """A step's trajectories -> the placed batch of each of its updates (one, or one per
+    mini-batch of `grpo.minibatch_size` rows): collate, mask, advantages, place."""
+    batch = grpo_rows(trajectories, grpo, pad_id=pad_id, buckets=buckets, first_group=first_group,
+                      shared_prefix=shared_prefix)
     local_size = None if grpo.minibatch_size is None else grpo.minibatch_size // jax.process_count()
     return [place(part, mesh, divisor, pad_id) for part in minibatches(batch, local_size)]

@@ -3,8 +3,8 @@ simulated user in the loop, collates the trajectories and runs the sharded updat
 
 One RL step: the next `tasks_per_step` tasks of the (per-epoch shuffled) task stream ->
 `n_per_task` rollouts each through the engine (which reads the live params) ->
-the host batch (`muajax.runtime.host_batch.grpo_update_batches`: collated, failed rows
-masked, group advantages, placed) -> the GRPO update (clipped loss, KL to the stage's
+the host batch (`GRPOLayout.update_batches`: collated, failed rows masked, group
+advantages, packed into rows with segment ids unless grpo.pack_rows is false, placed) -> the GRPO update (clipped loss, KL to the stage's
 starting policy, AdamW; several mini-batch updates with `grpo.minibatch_size`) -> metrics
 and checkpoint. Everything a resumed run needs (params,
 optimizer state, step, the task-stream position) is in the checkpoint, and every random
@@ -25,7 +25,6 @@ from muajax.settings.fields import config_to_dict
 from muajax.models.flops import forward_flops, real_token_flops, train_step_flops
 from muajax.runtime import distributed
 from muajax.runtime.grpo_layout import check_batch, grpo_layout, system_prompt_prefix
-from muajax.runtime.host_batch import grpo_update_batches
 from muajax.train.context import RunContext
 from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
@@ -170,8 +169,7 @@ def run_grpo(ctx: RunContext, params):
         ctx.engine_idle()  # the update gets the memory of the engine's params copy (and pool)
         everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
         stop_on_failures(ctx, ckpt, index, state, everyone, position)
-        parts = grpo_update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, buckets=layout.buckets,
-                                    first_group=first, divisor=layout.divisor, shared_prefix=layout.shared_prefix)
+        parts = layout.update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, first_group=first)
         for part in parts:
             check_batch(part, layout)
         t1 = time.time()

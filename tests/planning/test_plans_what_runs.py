@@ -2,7 +2,10 @@
 goes through the trainer, and every GRPO step it builds and calls is captured (the
 settings it was made with, the abstract arguments of each call: shapes, dtypes and
 shardings of the train state, the batch and the KL reference); the planner's step for the
-same config must be made and lowered with the very same ones."""
+same config must be made and lowered with the very same ones. With packed rows (the
+default, `grpo.pack_rows`) the trainer's batch has as many rows as its trajectories pack
+into, one of the layout's row buckets, and the planner compiles the most of them: the
+same fields, dtypes and shardings, at the rows of a step whose trajectories do not pack."""
 import os
 
 import jax
@@ -96,15 +99,28 @@ def test_the_planner_makes_the_step_the_trainer_makes(sides):
     trainer, planner = sides
     assert len(trainer.made) == len(planner.made) == 1
     made = trainer.made[0]
-    # the embedded domain's 861-token system prompt, shared on a CPU (chunked attention either way)
-    assert made["shared_prefix"] > 128 and made["microbatches"] == 2
+    # the embedded domain's 861-token system prompt, shared on a CPU (chunked attention either
+    # way), once per packed row; segment ids up to the 8 trajectories of the update
+    assert made["shared_prefix"] > 128 and made["microbatches"] == 2 and made["segments"] == 9
     assert planner.made == trainer.made
+
+
+def batch_rows(call) -> tuple[set[int], list]:
+    """The batch's row counts, and the call with them taken out of the batch's shapes."""
+    rows = {shape[0] for path, shape, *_ in call if path.startswith("[1]")}
+    return rows, [(path, shape[1:] if path.startswith("[1]") else shape, *rest) for path, shape, *rest in call]
 
 
 def test_the_planner_compiles_the_arguments_the_trainer_passes(sides):
     trainer, planner = sides
     assert len(trainer.calls) == 1 and len(planner.calls) == 1
     args = {path: (shape, dtype) for path, shape, dtype, _, _ in trainer.calls[0]}
-    assert args["[1]['tokens']"] == ((8, 1536), "int32")  # 8 rows at the one bucket
+    assert args["[1]['tokens']"][1] == "int32" and args["[1]['tokens']"][0][1] == 1536  # the one bucket
+    assert args["[1]['segment_ids']"][0] == args["[1]['tokens']"][0]  # packed rows
     assert {dtype for path, (_, dtype) in args.items() if path.startswith("[2]")} == {"bfloat16"}  # the reference
-    assert planner.calls == trainer.calls
+    (ran,), ran_call = batch_rows(trainer.calls[0])
+    (planned,), planned_call = batch_rows(planner.calls[0])
+    # the 8 rollouts (a ~150-token conversation after the prompt each) pack into fewer rows;
+    # the planner compiles the most, 8, and every other leaf as the trainer passes it
+    assert ran < planned == 8 and ran % 2 == 0
+    assert planned_call == ran_call
