@@ -83,12 +83,78 @@ def ratio(a: float, b: float) -> float:
     return float(a / b) if b else float("nan")
 
 
+_ISA_CAP: dict | None = None  # what `apply_isa_cap` capped in this process
+_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def add_isa_option(parser) -> None:
+    parser.add_argument("--cap-isa", choices=("avx2",), default=None,
+                        help="run XLA's generated loops and its kernel library (YNNPACK) as on a box without "
+                             "AVX-512 (muajax.bench.isa_cap): a figure for an AVX2 box, measured on this one")
+
+
+def apply_isa_cap(level: str | None) -> None:
+    """Cap the ISA (`--cap-isa`) before JAX starts; `machine_info` then records it. The
+    reference side is capped too where torch is not loaded yet (its own dispatch, MKL's and
+    oneDNN's, each read from the environment when they load)."""
+    global _ISA_CAP
+    if level:
+        from muajax.bench import isa_cap
+
+        if "torch" not in sys.modules:
+            os.environ.update(ATEN_CPU_CAPABILITY=level, MKL_ENABLE_INSTRUCTIONS=level.upper(),
+                              DNNL_MAX_CPU_ISA=level.upper())
+
+        try:
+            _ISA_CAP = isa_cap.cap(level)
+        except isa_cap.CapError as exc:
+            raise BenchError(f"--cap-isa {level}: {exc}") from exc
+
+
+def isa_cap_level() -> str | None:
+    return _ISA_CAP["level"] if _ISA_CAP else None
+
+
+def _cpu_facts() -> dict:
+    """Model, vector ISA and caches of cpu0 (Linux), the box facts a CPU ratio can depend on."""
+    facts: dict[str, Any] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return facts
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and "cpu_model" not in facts:
+            facts["cpu_model"] = value.strip()
+        elif key.strip() == "flags" and "isa" not in facts:
+            flags = set(value.split())
+            facts["isa"] = [f for f in _ISA_FLAGS if f in flags]
+    caches = {}
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        try:
+            fields = {k: open(os.path.join(root, index, k)).read().strip() for k in ("level", "type", "size")}
+            shared = open(os.path.join(root, index, "shared_cpu_list")).read().strip()
+        except OSError:
+            continue
+        name = f"L{fields['level']}" + {"Data": "d", "Instruction": "i"}.get(fields["type"], "")
+        caches[name] = f"{fields['size']} (cpus {shared})"
+    if caches:
+        facts["caches"] = caches
+    return facts
+
+
 def machine_info() -> dict:
-    """What the figures depend on besides the code: cores, load from others, versions, flags."""
+    """What the figures depend on besides the code: the CPU (model, vector ISA, caches, cores
+    this process may use), load from others, versions, flags, and an ISA cap if one was set."""
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "machine": platform.machine(),
+        **_cpu_facts(),
+        "isa_cap": isa_cap_level(),
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }

@@ -66,19 +66,40 @@ def stream_step(weights: list[np.ndarray], threads: int):
 
 
 def xla_step(weights: list[np.ndarray], batch: int):
-    """The same products in one jitted XLA program, each weight its own device buffer."""
+    """The same products in one jitted XLA program, shaped as the engine's step runs them.
+
+    Each layer's q, k and v read the layer's input, o reads the attention's width (q stands
+    in for the attention output), gate and up read the residual, down reads their product,
+    and the LM head reads the last residual: one product's output feeds the next, as in
+    the step, so no two products can overlap on the thread pool where the engine's cannot.
+    Every product is a plain dot (`optimization_barrier` keeps any consumer out of its
+    fusion), so XLA hands it to the kernel library it gives the engine's dots (YNNPACK on
+    CPU in jax 0.10). The floor before this summed each product into a scalar: XLA fused
+    each dot with its reduction into one loop it generates itself, a different kernel whose
+    speed against the library's depends on the box's vector ISA (docs/performance.md)."""
     import jax
     import jax.numpy as jnp
 
-    mats = [jax.device_put(m) for m in weights]
-    inputs = {m.shape[0]: jnp.ones((batch, m.shape[0]), jnp.float32) for m in mats}
+    mats = [jax.device_put(m) for m in weights]  # each weight its own buffer, as `Engine._layer_views` gives them
+    width = len(_PROJECTIONS)
+    if (len(mats) - 1) % width:
+        raise common.BenchError(f"expected {width} projections per layer and a head, got {len(mats)} matrices")
+    x0 = jnp.ones((batch, weights[0].shape[0]), jnp.float32)
+    barrier = jax.lax.optimization_barrier
 
     @jax.jit
-    def step(mats, inputs):
-        # summed so that no product is dead code; the sums are negligible beside the products
-        return sum(jnp.sum(inputs[m.shape[0]] @ m) for m in mats)
+    def step(mats, x):
+        h, side = x, []
+        for i in range(0, len(mats) - 1, width):
+            wq, wk, wv, wo, wg, wu, wd = mats[i:i + width]
+            q, k, v = (barrier(h @ w) for w in (wq, wk, wv))
+            side += [k, v]  # the cache's new entries: outputs, so that they are computed
+            h = h + barrier(q @ wo)
+            gate, up = (barrier(h @ w) for w in (wg, wu))
+            h = h + barrier((gate * up) @ wd)
+        return barrier(h @ mats[-1]), side
 
-    return lambda: step(mats, inputs)
+    return lambda: step(mats, x0)
 
 
 WARMUP = 2

@@ -81,6 +81,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tunix-python", default=os.environ.get("MUAJAX_TUNIX_PYTHON"),
                    help="a python with google-tunix: also time tunix's Sampler (default $MUAJAX_TUNIX_PYTHON)")
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
+    common.add_isa_option(p)
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.prompt, args.new, args.repeat = 2, 12, 8, 1
@@ -190,7 +191,8 @@ def tunix_generate(python: str, hf_model, prompts: np.ndarray, new: int, repeat:
     with tempfile.TemporaryDirectory(prefix="muajax-bench-tunix-") as workdir:
         hf_model.save_pretrained(workdir)
         np.save(os.path.join(workdir, "prompts.npy"), prompts)
-        command = [python, script, "--hf-dir", workdir, "--prompts", os.path.join(workdir, "prompts.npy"),
+        cap = [os.path.join(os.path.dirname(script), "isa_cap.py"), level] if (level := common.isa_cap_level()) else []
+        command = [python, *cap, script, "--hf-dir", workdir, "--prompts", os.path.join(workdir, "prompts.npy"),
                    "--new", str(new), "--short", str(max(1, new // 8)), "--repeat", str(max(repeat, 3))]
         try:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
@@ -228,6 +230,7 @@ def _line(name: str, r: dict) -> str:
 
 def run(argv: list[str]) -> dict:
     args = parse(argv)
+    common.apply_isa_cap(args.cap_isa)
     setup_threads(args.threads)
     rng = np.random.RandomState(args.seed)
     with tempfile.TemporaryDirectory(prefix="muajax-bench-generate-") as workdir:
@@ -248,7 +251,7 @@ def run(argv: list[str]) -> dict:
     compile_s = max(cold["total_s"] - mj["total_s"], 0.0)
     mj["compile_s"] = round(compile_s, 3)
     result = {"config": {k: getattr(args, k) for k in ("batch", "prompt", "new", "decode_chunk", "repeat", "threads",
-                                                       "alt_threads", "quick")} | {"max_len": max_len},
+                                                       "alt_threads", "quick", "cap_isa")} | {"max_len": max_len},
               "muajax": mj}
     common.log(_line(f"muajax (max_len {max_len})", mj) + f"  (compile {compile_s:.2f}s, excluded)")
     if "muajax_base" in figures:

@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions of the whole conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
+    common.add_isa_option(p)
     args = p.parse_args(argv)
     if args.quick:
         args.turns, args.user, args.new, args.repeat = 3, 6, 4, 1
@@ -121,6 +122,7 @@ def _end_growth(times: list[float]) -> float:
 
 def run(argv: list[str]) -> dict:
     args = parse(argv)
+    common.apply_isa_cap(args.cap_isa)
     setup_threads()
     with tempfile.TemporaryDirectory(prefix="muajax-bench-multiturn-") as workdir:
         _, params, cfg = build_models(args.quick, args.seed, workdir)
@@ -152,7 +154,7 @@ def run(argv: list[str]) -> dict:
         common.log(f"{t + 1:4d}  {history:7d}  {med['kept'][t]:6.3f}  {med['reprefill'][t]:11.3f}  "
                    f"x{common.ratio(med['reprefill'][t], med['kept'][t]):.2f}")
     result = {
-        "config": {k: getattr(args, k) for k in ("batch", "turns", "user", "new", "decode_chunk", "repeat", "quick")}
+        "config": {k: getattr(args, k) for k in ("batch", "turns", "user", "new", "decode_chunk", "repeat", "quick", "cap_isa")}
                   | {"max_len": max_len},
         "kept_per_turn_s": med["kept"],
         "reprefill_per_turn_s": med["reprefill"],
