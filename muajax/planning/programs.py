@@ -70,8 +70,9 @@ def state_parts(state) -> dict[str, int]:
 
 def grpo_program(cfg: Qwen3Config, mesh: Mesh, grpo: GRPOConfig, layout: GRPOLayout):
     """(program, abstract train state) of one GRPO update as the trainer runs it: the step
-    and its batch (one update's rows, padded, at the longest length bucket) from the same
-    `GRPOLayout` the trainer builds them from, and the KL reference as it keeps it."""
+    and its batch (one update's rows at the longest length bucket: every padded row, or the
+    most packed rows the layout allows) from the same `GRPOLayout` the trainer builds them
+    from, and the KL reference as it keeps it."""
     step = layout.make_step(cfg, mesh, grpo, total_steps=1000)
     state = step.abstract_state(model_abstract_params(cfg))
     data = layout.abstract_batch(mesh)
