@@ -1,4 +1,7 @@
-"""`python -m muajax.bench rollout`: is the device kept busy while users think?
+"""`python -m muajax.bench rollout --shop`: is the device kept busy while users think?
+
+(Without `--shop`, `bench rollout` runs the engine on a τ2-like rollout profile:
+`muajax.bench.profile_rollout`.)
 
 Many concurrent conversations of a tiny Qwen3 (the real tokenizer, the built-in shop
 domain) talk to simulated users behind a local OpenAI-compatible HTTP server that
@@ -159,7 +162,7 @@ class DelayedUserServer:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m muajax.bench rollout", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m muajax.bench rollout --shop", description=__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, default=16)
     p.add_argument("--n", type=int, default=4, help="rollouts per task (conversations = tasks x n)")
     p.add_argument("--delay", type=float, default=2.0, help="seconds the user endpoint takes per reply")
@@ -220,6 +223,15 @@ def precompile(engine, prompt: list[int]) -> float:
 
 
 def run(argv: list[str]) -> dict:
+    """`--shop`: this bench; otherwise the profile-driven one (`muajax.bench.profile_rollout`)."""
+    if "--shop" not in argv:
+        from muajax.bench import profile_rollout
+
+        return profile_rollout.run(argv)
+    return run_shop([a for a in argv if a != "--shop"])
+
+
+def run_shop(argv: list[str]) -> dict:
     args = parse(argv)
     os.environ.pop(BENCH_KEY_ENV, None)
     from muajax.agent.rollout_config import RolloutConfig

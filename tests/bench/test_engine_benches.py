@@ -86,7 +86,7 @@ def test_generate_max_len_compares_with_a_short_max_len():
 
 
 def test_rollout_quick_prefills_the_shared_system_prompt_once():
-    result, stdout = run_bench("rollout")
+    result, stdout = run_bench("rollout", "--shop")
     runs = sum(len(r) for r in result["runs"].values())
     assert runs == 2 and result["same_conversations"] is True
     shared = result["prefix_tokens"]
