@@ -123,6 +123,7 @@ SLOW = {
     "tests/serving/test_app.py::test_good_requests_come_out_as_alone_while_bad_ones_get_4xx": 24,
     # --- benches in their quick form. Default tier: bench forward --quick and the CLI's errors.
     "tests/bench/test_engine_benches.py::test_rollout_quick_prefills_the_shared_system_prompt_once": 15,
+    "tests/bench/test_rollout_profile.py::test_rollout_quick_counts_real_and_computed_positions_in_both_modes": 47,
     "tests/bench/test_engine_benches.py::test_generate_max_len_compares_with_a_short_max_len": 8,
     "tests/bench/test_engine_benches.py::test_multiturn_quick": 8,
     "tests/bench/test_engine_benches.py::test_generate_quick": 8,
