@@ -60,6 +60,13 @@ SLOW = {
     # --- the engine's fixed rows, sharded pool and Pallas kernel. Default tier: fixed rows'
     # warm-up [2] and release, one collective check [2,2,2], the kernel against pure JAX [mixed].
     "tests/engine/test_fixed_rows.py::test_with_fixed_rows_a_conversation_is_bitwise_the_same_whatever_shares_its_calls": 34,
+    # packed extends with token tiles. Default tier: [7-reference] and the attention agreement.
+    "tests/engine/test_packed_extends.py::test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_others[1-reference]": 12,
+    "tests/engine/test_packed_extends.py::test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_others[1-paged]": 10,
+    "tests/engine/test_packed_extends.py::test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_others[7-paged]": 15,
+    "tests/engine/test_packed_extends.py::test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_others[63-reference]": 30,
+    "tests/engine/test_packed_extends.py::test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_others[63-paged]": 25,
+    "tests/engine/test_packed_extends.py::test_without_token_tiles_the_bits_follow_the_call": 21,
     "tests/engine/test_fixed_rows.py::test_bucketed_calls_round_differently_with_other_rows": 19,
     "tests/engine/test_fixed_rows.py::test_warmup_compiles_every_program_conversations_then_use[None]": 10,
     "tests/engine/test_programs.py::test_sharded_pool_generates_what_one_device_does": 25,

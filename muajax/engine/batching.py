@@ -7,6 +7,13 @@ two), padding rows have no tokens and a zero page-table row. Extends are chunked
 takes at most the widest extend width per row and `max_extend_tokens` (rows x width) per
 shard, so no program is as wide as max_len.
 
+Packed extends (`packed_extend_batches`, the default): the waiting tokens of all sequences
+are cut into tiles of `tile` tokens, one tile per row ([R, tile]); rows of one sequence
+follow each other and each sees the keys of those before it (the extend writes a layer's
+keys before any row attends: see paged_reference.py). A lone 50-token turn is then a call
+of 4 rows of 16, not rows x the widest width. Rows per shard are a bucket of the tiles; with
+token tiles (`muajax.models.token_tiles`) only the live ones are computed.
+
 Fixed rows (`fixed_rows`, the Engine's `batch_rows`): every call has exactly that many rows
 per shard (an extend call: as many as `max_extend_tokens` allows at its width), and each
 sequence's tokens are extended at the width of its *own* bucket, so the shape of every call
@@ -33,6 +40,17 @@ MIN_DENSE_TOKENS = 256
 
 def buckets(limit: int, minimum: int = 1) -> tuple[int, ...]:
     return tuple(sorted({min(max(2**i, minimum), limit) for i in range(limit.bit_length() + 1)}))
+
+
+def decode_buckets(num_slots: int, min_bucket: int, fixed_rows: int | None, tile: int | None) -> tuple[int, ...]:
+    """Rows per shard a decode call can have: `fixed_rows` alone; with token tiles whole
+    `tile`s, powers of two of them up to every slot; else powers of two from `min_bucket`.
+    Each is one compilation: a larger minimum trades padded work for fewer of them."""
+    if fixed_rows:
+        return (fixed_rows,)
+    if tile:
+        return tuple(tile * t for t in buckets(-(-num_slots // tile)))
+    return buckets(num_slots, min_bucket)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
@@ -93,6 +111,43 @@ class ExtendBatch:
     tokens: np.ndarray  # [R, W]
     num_new: np.ndarray  # [R]
     dense_pages: int
+    live_rows: int = 0  # rows with tokens in the fullest shard (they come first in each shard)
+
+
+def packed_extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, tile: int,
+                          row_buckets: Sequence[int], max_tokens: int, tables: PageTables) -> Iterator[ExtendBatch]:
+    """Packed extend calls (see above) writing every queued token (but the last, with
+    `keep_last`) of `seqs`, which must already hold their pages; oldest sequences first.
+    As `extend_batches`: run each batch before asking for the next."""
+    todo = {seq: len(seq.queued) - int(keep_last) for seq in sorted(seqs, key=lambda s: s.priority)}
+    todo = {seq: n for seq, n in todo.items() if n > 0}
+    cap = max(1, max_tokens // tile)
+    while todo:
+        groups: list[list[tuple[PagedSeq, int]]] = [[] for _ in range(spec.num_shards)]
+        for seq in list(todo):
+            group = groups[seq.shard]
+            while todo.get(seq, 0) > 0 and len(group) < cap:
+                n = min(todo[seq], tile)
+                group.append((seq, n))
+                todo[seq] -= n
+                if todo[seq] == 0:
+                    del todo[seq]
+        live = max(map(len, groups))
+        per_shard = bucket(live, row_buckets)
+        rows = spec.num_shards * per_shard
+        layout: list[PagedSeq | None] = [None] * rows
+        tokens = np.zeros((rows, tile), np.int32)
+        lengths, num_new = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+        for shard, group in enumerate(groups):
+            for i, (seq, n) in enumerate(group):
+                r = shard * per_shard + i
+                layout[r] = seq
+                tokens[r, :n], lengths[r], num_new[r] = seq.queued[:n], seq.length, n
+                seq.cached.extend(seq.queued[:n])
+                del seq.queued[:n]
+        if int((lengths + num_new).max()) > tables.max_pages * spec.page_size:
+            raise RuntimeError("extend past a sequence's page-table width: a bookkeeping bug")
+        yield ExtendBatch(tables.rows(layout, spec.max_pages), lengths, tokens, num_new, 0, live)
 
 
 def extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, widths: Sequence[int],
@@ -130,7 +185,7 @@ def extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, wi
         if int((lengths + num_new).max()) > tables.max_pages * spec.page_size:
             raise RuntimeError("extend past a sequence's page-table width: a bookkeeping bug")
         yield ExtendBatch(tables.rows(layout, spec.max_pages), lengths, tokens, num_new,
-                          dense_pages(int((lengths + num_new).max()), spec))
+                          dense_pages(int((lengths + num_new).max()), spec), max(map(len, groups)))
 
 
 @dataclasses.dataclass

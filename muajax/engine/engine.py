@@ -15,12 +15,14 @@ prefixes, then from running conversations opened after it. A preempted conversat
 its tokens and is extended again when it next runs; one that cannot get pages waits. So a
 pool smaller than `num_slots * max_len` only costs recomputation, never a conversation.
 
-Continuous batching: `step()` runs one chunk of decode steps over every generating
-conversation that has pages, as a compact batch bucketed to a power of two per shard;
-conversations waiting on a user or a tool cost nothing but their pages. With `batch_rows`
-every call has that many rows per shard instead (more conversations: more calls), and
-extends follow each conversation's own width: a conversation's numbers are then the same
-whichever others share its calls, so results do not depend on scheduling (batching.py).
+Continuous batching: `step()` extends what waits, packed (tiles of `extend_tile` tokens
+from every waiting conversation, batching.py), and runs one chunk of decode steps over
+every generating conversation, rows bucketed per shard; conversations waiting on a user or
+a tool cost nothing but their pages. `deterministic`: every token-wise computation runs in
+fixed tiles (muajax/models/token_tiles.py), so a conversation's numbers do not depend on
+which others share its calls, and only live tiles are computed. `batch_rows` (the older
+way to the same end): every call has that many rows per shard, each conversation extended
+at its own width; padded slots are computed.
 
 Shared prefixes: `register_prefix(tokens)` (e.g. the system prompt). The first conversation
 that starts with it gets the prefix computed once, for the current params, into pages that
@@ -42,12 +44,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 from muajax.engine import batching, kv_cache
 # re-exported: callers import them from here (see muajax/engine/__init__.py)
 from muajax.engine.generation import FINISH_REASONS, Generation, SamplingParams  # noqa: F401
+from muajax.engine.layer_views import layer_views
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
 from muajax.engine.programs import Programs, build_spec
 from muajax.engine.precompile import warm_programs
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
+
+
+# Packed extends cut waiting tokens into rows of EXTEND_TILE; deterministic decode steps run
+# DECODE_TILE rows at a time (see batching.py and muajax/models/token_tiles.py).
+EXTEND_TILE = 16
+DECODE_TILE = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,35 +72,41 @@ class Engine:
     """`num_slots`: conversations open at once; `max_len`: tokens per conversation;
     `kv_cache_tokens`: the pool (default `num_slots * max_len`: nothing is ever preempted);
     `page_size`: tokens per page (default 128 with the Pallas kernel, else 16);
-    `extend_widths`: extend chunk widths (a prompt longer than the widest is extended in
-    chunks); `max_extend_tokens`: rows x width of one extend call per shard;
-    `attention`: "auto" (Pallas on TPU), "pallas" or "reference" (see paged_attention.py);
-    `batch_rows`: rows per shard of every call (None: bucketed to the conversations in it)."""
+    `extend_tile`: tokens per row of a packed extend; `max_extend_tokens`: tokens of one
+    extend call per shard; `attention`: "auto" (Pallas on TPU, paged on GPU, else reference),
+    "pallas", "paged" or "reference" (paged_attention.py); `deterministic`: token tiles,
+    `decode_tile` rows per decode tile; `batch_rows`: fixed rows per shard in every call,
+    extended at `extend_widths` (None: packed, bucketed to what is in the call)."""
 
     def __init__(self, params, cfg: Qwen3Config, *, num_slots: int, max_len: int, mesh=None,
                  stop_ids: Iterable[int] = (IM_END_ID,), decode_chunk: int = 32,
                  extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_extend_tokens: int = 8192,
-                 attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS, batch_rows: int | None = None):
+                 attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS, batch_rows: int | None = None,
+                 extend_tile: int = EXTEND_TILE, deterministic: bool = False, decode_tile: int = DECODE_TILE):
         if num_slots < 1 or max_len < 2 or decode_chunk < 1 or not extend_widths or min(extend_widths) < 1:
             raise ValueError(f"need num_slots >= 1, max_len >= 2, decode_chunk >= 1 and extend widths >= 1, got "
                              f"{num_slots}, {max_len}, {decode_chunk}, {tuple(extend_widths)}")
-        if batch_rows is not None and batch_rows < 1:
-            raise ValueError(f"batch_rows must be >= 1 (or None), got {batch_rows}")
+        if (batch_rows is not None and batch_rows < 1) or extend_tile < 1 or decode_tile < 1:
+            raise ValueError(f"batch_rows (or None), extend_tile and decode_tile must be >= 1, got {batch_rows}, "
+                             f"{extend_tile}, {decode_tile}")
+        if deterministic and batch_rows is not None:
+            raise ValueError("deterministic (token tiles) and batch_rows (fixed rows) are two ways to the same end: "
+                             "choose one")
         self.params = params  # read directly: assign new params after an update, nothing is copied
         self.cfg, self.num_slots, self.max_len, self.mesh = cfg, num_slots, max_len, mesh
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
         self.decode_chunk, self.max_extend_tokens = decode_chunk, max_extend_tokens
         self.spec = build_spec(cfg, mesh, num_slots=num_slots, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
                                page_size=page_size, decode_chunk=decode_chunk, attention=attention,
-                               blocks=kernel_blocks)
+                               blocks=kernel_blocks, tiled=deterministic, decode_tile=decode_tile)
         self.attention, self.page_size, pool = self.spec.attention, self.spec.pool.page_size, self.spec.pool
         self.extend_widths = tuple(sorted({min(w, max_len) for w in extend_widths}))
-        # Batches are padded per shard to a power of two (at least min_batch_bucket): each bucket
-        # is one compilation; a larger minimum trades a little padded work for fewer compilations.
-        # With batch_rows every call has that many rows per shard (see batching.py: fixed rows).
-        self.batch_rows = batch_rows
-        self.batch_buckets = (batch_rows,) if batch_rows else batching.buckets(num_slots, min_batch_bucket)
+        self.batch_rows, self.extend_tile, self.deterministic = batch_rows, extend_tile, deterministic
+        self.batch_buckets = batching.decode_buckets(num_slots, min_batch_bucket, batch_rows,
+                                                     decode_tile if deterministic else None)
+        # packed extends: rows (tiles) per shard per call
+        self.extend_buckets = batching.buckets(max(1, max_extend_tokens // extend_tile))
         self.pool = kv_cache.allocate(pool)
         self.pages = PageTables(PagePool(pool.num_shards, pool.pages_per_shard), self.page_size, pool.max_pages)
         self._programs = Programs(self.spec)
@@ -107,7 +122,6 @@ class Engine:
                       "extend_calls": 0, "extend_positions": 0, "decode_positions": 0, "preemptions": 0,
                       "prefix_hits": 0, "prefix_prefill_tokens": 0, "peak_pages": 0}
 
-    # ------------------------------------------------------------------ conversations
     @property
     def free_slots(self) -> int:
         return len(self._free)
@@ -292,14 +306,21 @@ class Engine:
         self._extend([seq for seq in seqs if seq.pages], keep_last)
 
     def _extend(self, seqs: Sequence[PagedSeq], keep_last: bool) -> None:
-        for batch in batching.extend_batches(seqs, keep_last, self.spec.pool, self.extend_widths,
-                                             self.batch_buckets, self.max_extend_tokens, self.pages,
-                                             fixed_rows=self.batch_rows is not None):
+        pool, tables = self.spec.pool, self.pages
+        if self.batch_rows is None:
+            batches = batching.packed_extend_batches(seqs, keep_last, pool, self.extend_tile, self.extend_buckets,
+                                                     self.max_extend_tokens, tables)
+        else:
+            batches = batching.extend_batches(seqs, keep_last, pool, self.extend_widths, self.batch_buckets,
+                                              self.max_extend_tokens, tables, fixed_rows=True)
+        for batch in batches:
             self.stats["extend_tokens"] += int(batch.num_new.sum())
             self.stats["extend_calls"] += 1
-            self.stats["extend_positions"] += batch.tokens.size  # every padded slot runs the layers
+            # with token tiles the live rows alone run the layers; else every padded slot does
+            rows = batch.live_rows * pool.num_shards if self.deterministic else batch.tokens.shape[0]
+            self.stats["extend_positions"] += rows * batch.tokens.shape[1]
             args = (batch.page_table, batch.lengths, batch.tokens, batch.num_new)
-            self._run(self._programs.extend, args, dense_pages=batch.dense_pages)
+            self._run(self._programs.extend, args, live=batch.live_rows)
 
     def _decode(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
         """One decode chunk over `ready`, in as many calls as the batch size allows."""
@@ -310,10 +331,10 @@ class Engine:
     def _decode_call(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
         rows = batching.decode_rows(ready, self.spec.pool, self.batch_buckets, self.pages)
         out = self._run(self._programs.decode, rows.arrays, dense_pages=rows.dense_pages)
-        tokens, logprobs, counts, reasons = (np.asarray(x) for x in jax.device_get(out))
+        tokens, logprobs, counts, reasons, computed = (np.asarray(x) for x in jax.device_get(out))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(counts.max())
-        self.stats["decode_positions"] += len(rows.order) * int(counts.max())  # every row, each step run
+        self.stats["decode_positions"] += int(computed)
         finished = []
         slot_of = {id(state): slot for slot, state in self._slots.items()}
         for i, state in enumerate(rows.order):
@@ -351,36 +372,25 @@ class Engine:
         unchanged); returns the number of programs. The engine must be idle."""
         return warm_programs(self, max_tokens)
 
-    def _run(self, program, row_arrays: tuple, **static):
+    def _run(self, program, row_arrays: tuple, live: int | None = None, dense_pages: int | None = None):
+        """Run a program on host per-row arrays (`live`: an extend's live rows per shard;
+        `dense_pages`: a decode's gather bucket, for the pure-JAX decode only)."""
         start = time.perf_counter()
         if self.pool is None:
             self.pool = kv_cache.allocate(self.spec.pool)
         args = batching.to_device(row_arrays, self.spec.pool)
-        if self.attention != "reference":  # only the pure-JAX path has gather-length buckets
-            static["dense_pages"] = None
         if program is self._programs.decode:
-            self.pool, out = program(self.params, self.pool, self._layer_views(), *args, self._stop_ids, **static)
+            dense_pages = dense_pages if self.attention == "reference" else None
+            self.pool, out = program(self.params, self.pool, self._layer_views(), *args, self._stop_ids,
+                                     dense_pages=dense_pages)
         else:
-            self.pool, out = program(self.params, self.pool, *args, **static), None
+            self.pool, out = program(self.params, self.pool, *args, np.int32(live)), None
         jax.block_until_ready(self.pool)
         self.stats["device_s"] += time.perf_counter() - start
         return out
 
     def _layer_views(self) -> list | None:
-        """Each layer's weights as its own array, aliasing `self.params` (no copy), or None.
-
-        XLA on CPU copies a slice of a stacked weight before a dot can read it: every
-        decode step would copy all the layer weights. On a single CPU device a numpy view
-        of one layer, put on the device, shares the parameter's memory instead. Made per
-        call and dropped after it: a live view would stop a train step from donating the
-        params. Elsewhere (a mesh, an accelerator, the Pallas path) the decode step scans
-        the stacked layers."""
-        leaves, treedef = jax.tree.flatten(self.params["layers"])
-        if self.mesh is not None or self.attention != "reference" or not all(
-                isinstance(x, jax.Array) and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu"
-                for x in leaves):
+        """Per-layer weight views for the dense CPU decode (layer_views.py), or None."""
+        if self.mesh is not None or self.attention != "reference" or self.deterministic:
             return None
-        hosts, layers = [np.asarray(x) for x in leaves], self.cfg.num_layers
-        # one device_put for all the views: per-array calls cost ~2x as much host time
-        flat = jax.device_put([h[i] for i in range(layers) for h in hosts], next(iter(leaves[0].devices())))
-        return [treedef.unflatten(flat[i * len(hosts):(i + 1) * len(hosts)]) for i in range(layers)]
+        return layer_views(self.params, self.cfg)

@@ -1,11 +1,15 @@
 """Attention over the paged pool: a pure-JAX path (CPU, GPU, the reference) and jax's Pallas
 `ragged_paged_attention` kernel (TPU). `resolve_attention` picks one by backend.
 
-Pure JAX ("reference"): the pages a batch uses (a bucket of its longest row, not the pool)
-are gathered, shard-locally, into a dense cache, and the model's own dot attention runs on
-it (`muajax.models.attention.attention`); the new tokens' keys and values are written back to
-their pages afterwards. The engine gathers once per extend call or decode chunk, so the
-per-step cost is that of a dense cache of the used length.
+Pure JAX, in place ("paged", `paged_reference.py`): every layer writes its new keys and
+values into their pages, then attends over each row's pages block by block. Every extend
+off TPU runs this way, and the decode on GPU.
+
+Pure JAX, dense ("reference", the CPU decode): the pages a decode chunk's rows use (a
+bucket of its longest row, not the pool) are gathered, shard-locally, once per chunk into a
+dense cache, and the model's own dot attention runs on it; the chunk's new keys and values
+are written back to their pages at its end. `ragged_reference` below is the Pallas kernel's
+contract in these terms (its tests' reference).
 
 Pallas ("pallas"): the kernel takes the queries of all sequences concatenated (`cu_q_lens`
 bounds each), `kv_lens`, `page_indices` and reads the pages in place, mixing prefill and
@@ -19,7 +23,7 @@ pool, so no layer is sliced out of it (a slice feeding a custom call would be a 
 
 GPU: jax's Pallas GPU `paged_attention` is decode-only (one query per sequence) and wants
 separate key and value pools, heads first; the pool here has the TPU kernel's layout, so
-GPUs take the pure-JAX path.
+GPUs take the pure-JAX path that reads the pages in place (`paged_reference.py`).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from muajax.engine.kv_cache import PoolSpec
 from muajax.models.attention import attention
 from muajax.models.qwen3 import AttentionContext, Qwen3Config, rope_tables
 
-ATTENTION_CHOICES = ("auto", "reference", "pallas")
+ATTENTION_CHOICES = ("auto", "reference", "paged", "pallas")
 
 
 def kernel_supports(cfg: Qwen3Config) -> bool:
@@ -46,7 +50,11 @@ def kernel_supports(cfg: Qwen3Config) -> bool:
 
 
 def resolve_attention(requested: str, cfg: Qwen3Config, mesh=None) -> str:
-    """"auto" -> "pallas" on TPU (when the kernel supports the model), else "reference"."""
+    """"auto" -> "pallas" on TPU (when the kernel supports the model), "paged" on GPU, else
+    "reference". Extends read the pages in place on every path; the decode differs:
+    reference gathers a chunk's pages once into a dense cache (fastest on CPU, where a decode
+    step is short and the gather is paid once per chunk), paged reads them in place every
+    step (a GPU's memory holds no dense copy of every layer)."""
     if requested not in ATTENTION_CHOICES:
         raise ValueError(f"attention={requested!r}: expected one of {ATTENTION_CHOICES}")
     if requested == "pallas" and not kernel_supports(cfg):
@@ -54,7 +62,9 @@ def resolve_attention(requested: str, cfg: Qwen3Config, mesh=None) -> str:
     if requested != "auto":
         return requested
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-    return "pallas" if platform == "tpu" and kernel_supports(cfg) else "reference"
+    if platform == "tpu" and kernel_supports(cfg):
+        return "pallas"
+    return "paged" if platform in ("gpu", "cuda", "rocm") else "reference"
 
 
 @dataclasses.dataclass(frozen=True)

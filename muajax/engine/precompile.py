@@ -1,9 +1,10 @@
 """Compiling an engine's programs before they are needed.
 
 Every static shape a call can take is one compilation, paid (seconds on a CPU host) by
-whichever conversation first needs it: decode per rows bucket, extend per width and rows
-count, and on the pure-JAX path each of those per gather length (`batching.dense_pages`,
-a power of two of the longest row's pages). `warm_programs` runs each of them once on rows
+whichever conversation first needs it: decode per rows bucket (and on the pure-JAX
+"reference" decode per gather length, `batching.dense_pages`, a power of two of the
+longest row's pages), extend per rows bucket (packed: one width, the tile; fixed rows: per
+width). `warm_programs` runs each of them once on rows
 that have nothing to do (no token to write, no step to take), so the pool is unchanged.
 """
 from __future__ import annotations
@@ -24,14 +25,16 @@ def static_shapes(engine, max_tokens: int | None = None) -> list[tuple[str, int,
         return batching.dense_buckets(spec, low, max(low, top)) if reference else (None,)
 
     shapes = [("decode", rows, 1, d) for rows in engine.batch_buckets for d in dense(1)]
+    if engine.batch_rows is None:  # packed: at most every slot's `top` tokens in tiles
+        tiles = engine.num_slots * -(-top // engine.extend_tile)
+        return shapes + [("extend", rows, engine.extend_tile, None) for rows in engine.extend_buckets
+                         if rows == engine.extend_buckets[0] or rows // 2 < tiles]
     previous = 0
     for width in engine.extend_widths:
         if previous >= top:
             break
-        fixed = engine.batch_rows is not None
-        for rows in batching.extend_rows(width, engine.batch_buckets, engine.max_extend_tokens, fixed):
-            # a call at this width has a row with more tokens than the narrower width holds
-            shapes += [("extend", rows, width, d) for d in dense(previous + 1)]
+        for rows in batching.extend_rows(width, engine.batch_buckets, engine.max_extend_tokens, True):
+            shapes.append(("extend", rows, width, None))
         previous = width
     return shapes
 
@@ -51,6 +54,6 @@ def warm_programs(engine, max_tokens: int | None = None) -> int:
             engine._run(engine._programs.decode, arrays, dense_pages=dense)
         else:
             arrays = (table, zeros, np.zeros((total, width), np.int32), zeros)
-            engine._run(engine._programs.extend, arrays, dense_pages=dense)
+            engine._run(engine._programs.extend, arrays, live=0)
     engine.stats.update(saved)
     return len(shapes)

@@ -22,13 +22,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muajax import parallel
-from muajax.engine import batching, dense_decode, kv_cache, paged_attention
+from muajax.engine import batching, dense_decode, kv_cache, paged_attention, paged_reference
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.sampling import sample_tokens
 from muajax.models import qwen3
-from muajax.models.qwen3 import Qwen3, Qwen3Config, forward
+from muajax.models.qwen3 import AttentionContext, Qwen3, Qwen3Config, forward, rope_tables
 from muajax.models.sharding import param_shardings
+from muajax.models.token_tiles import TokenTiles, map_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +39,28 @@ class ProgramSpec:
     pool: PoolSpec
     max_len: int
     decode_chunk: int
-    attention: str  # "reference" or "pallas" (resolved)
+    attention: str  # "reference", "paged" or "pallas" (resolved)
     blocks: KernelBlocks = DEFAULT_BLOCKS
+    # Token tiles (muajax.models.token_tiles): an extend's dots one row (its width) at a time,
+    # a decode step's `decode_tile` rows at a time; a row's numbers then do not depend on
+    # what else is in the call. False: each dot over the whole call.
+    tiled: bool = False
+    decode_tile: int = 4
 
     @property
     def cfg(self) -> Qwen3Config:
         return self.pool.cfg
 
+    def model_cfg(self, tile: int) -> Qwen3Config:
+        """The model's config for a program whose dots take `tile` tokens at a time."""
+        if not self.tiled:
+            return self.cfg
+        return self.cfg.replace(token_tiles=TokenTiles(tile, self.pool.num_shards))
+
 
 def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache_tokens: int | None = None,
                page_size: int | None = None, decode_chunk: int = 32, attention: str = "auto",
-               blocks: KernelBlocks = DEFAULT_BLOCKS) -> ProgramSpec:
+               blocks: KernelBlocks = DEFAULT_BLOCKS, tiled: bool = False, decode_tile: int = 4) -> ProgramSpec:
     """The programs' static spec from the Engine's arguments (the Engine and planners both
     come through here). Defaults: a pool of max(num_slots, shards) * max_len tokens (room for
     every conversation at full length: no preemption), pages of 128 tokens for the Pallas
@@ -58,7 +70,7 @@ def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache
     shards = 1 if mesh is None else parallel.batch_divisor(mesh)
     tokens = kv_cache_tokens or max(num_slots, shards) * max_len
     pool = make_pool_spec(cfg, mesh, kv_cache_tokens=tokens, page_size=page_size, max_len=max_len)
-    return ProgramSpec(pool, max_len, decode_chunk, attention, blocks)
+    return ProgramSpec(pool, max_len, decode_chunk, attention, blocks, tiled, decode_tile)
 
 
 def make_pool_spec(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int, max_len: int) -> PoolSpec:
@@ -97,45 +109,71 @@ class Program:
 
 
 class Programs:
-    """extend(params, pool, page_table, lengths, tokens [R, W], num_new [R], *, dense_pages) -> pool
+    """extend(params, pool, page_table, lengths, tokens [R, W], num_new [R], live) -> pool
     decode(params, pool, layer_params, page_table, lengths, last, seeds, temperature, top_p,
-           top_k, budget, limit, stop_ids, *, dense_pages) -> (pool, (tokens, logprobs, counts, reasons))
-    (`dense_pages`: the pure-JAX path's gather bucket; ignored by the Pallas path.)"""
+           top_k, budget, limit, stop_ids, *, dense_pages) -> (pool, (tokens, logprobs, counts, reasons, computed))
+    `live`: rows with tokens in the fullest shard (they come first in each shard): with token
+    tiles only those are computed. `dense_pages`: the pure-JAX decode's gather bucket
+    (ignored by the paged and Pallas decodes). `computed`: the row-steps the layers ran."""
 
     def __init__(self, spec: ProgramSpec):
         self.spec = spec
         mesh = spec.pool.mesh
-        paged = spec.attention == "pallas"
-        self.extend = Program(functools.partial(_extend_pallas if paged else _extend_reference, spec), mesh,
-                              static_argnames=("dense_pages",))
-        self.decode = Program(functools.partial(_decode_pallas if paged else _decode_reference, spec), mesh,
-                              static_argnames=("dense_pages",))
+        extend = _extend_pallas if spec.attention == "pallas" else _extend_paged
+        # with token tiles the CPU decode reads pages in place too: the dense decode's whole-call
+        # attention and gather are not cut into tiles
+        decode = {"pallas": _decode_pallas, "paged": _decode_paged,
+                  "reference": _decode_paged if spec.tiled else _decode_reference}[spec.attention]
+        self.extend = Program(functools.partial(extend, spec), mesh)
+        self.decode = Program(functools.partial(decode, spec), mesh, static_argnames=("dense_pages",))
 
 
 # ---------------------------------------------------------------------- program bodies
 
 
-def _extend_reference(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, *, dense_pages):
-    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages)
-    # only the cache is wanted: returning the hidden state lets XLA drop the LM head
-    _, dense = forward(params, spec.cfg, tokens, cache=dense, num_new=num_new, return_hidden=True)
-    return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, num_new, tokens.shape[1])
-
-
-def _paged_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, logits_index=None,
-                   return_hidden=False):
+def _hooked_forward(spec: ProgramSpec, hook, pages, params, pool, lengths, tokens, live, logits_index=None,
+                    return_hidden=False):
+    """The model over `tokens` [R, W] at positions `lengths` + [0, W), with a paged
+    `cache_attention` hook that reads `pages` (carried in the context)."""
     width = tokens.shape[1]
-    batch = paged_attention.kernel_batch(spec.pool, page_table, lengths, num_new, width)
-    ctx = paged_attention.paged_context(spec.cfg, lengths, width, batch)
+    q_index = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    cos, sin = rope_tables(q_index, spec.cfg.head_dim, spec.cfg.rope_theta, spec.cfg.compute_dtype)
+    ctx = AttentionContext(q_index, None, None, cos, sin, pages=pages, live_tiles=live)
+    cfg = spec.model_cfg(width if width > 1 else spec.decode_tile)
+    return Qwen3(cfg, cache_attention=hook).apply({"params": params}, tokens, ctx, pool, logits_index,
+                                                  return_hidden, True)
+
+
+def _paged_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live, logits_index=None,
+                   return_hidden=False):
+    """Pure JAX over the pages in place (paged_reference.py)."""
+    rows = paged_reference.paged_rows(spec.pool, page_table, lengths, num_new, tokens.shape[1])
+    hook = functools.partial(paged_reference.paged_cache_attention, spec.pool)
+    return _hooked_forward(spec, hook, rows, params, pool, lengths, tokens, live, logits_index, return_hidden)
+
+
+def _pallas_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live, logits_index=None,
+                    return_hidden=False):
+    """The TPU kernel over the pages in place (paged_attention.py)."""
+    batch = paged_attention.kernel_batch(spec.pool, page_table, lengths, num_new, tokens.shape[1])
     hook = functools.partial(paged_attention.pallas_cache_attention, spec.pool, spec.blocks)
-    return Qwen3(spec.cfg, cache_attention=hook).apply({"params": params}, tokens, ctx, pool, logits_index,
-                                                       return_hidden, True)
+    return _hooked_forward(spec, hook, batch, params, pool, lengths, tokens, live, logits_index, return_hidden)
 
 
-def _extend_pallas(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, *, dense_pages=None):
-    del dense_pages
-    _, pool = _paged_forward(spec, params, pool, page_table, lengths, tokens, num_new, return_hidden=True)
-    return pool
+def _extend_paged(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live):
+    # only the cache is wanted: returning the hidden state lets XLA drop the LM head
+    return _paged_forward(spec, params, pool, page_table, lengths, tokens, num_new, live, return_hidden=True)[1]
+
+
+def _extend_pallas(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live):
+    return _pallas_forward(spec, params, pool, page_table, lengths, tokens, num_new, live, return_hidden=True)[1]
+
+
+def live_tiles(active, shards: int, tile: int):
+    """Tiles per shard up to the last active row of the fullest shard (rows by shard)."""
+    per_shard = active.reshape(shards, -1)
+    last = jnp.max(jnp.where(per_shard, jnp.arange(per_shard.shape[1], dtype=jnp.int32) + 1, 0))
+    return (last + tile - 1) // tile
 
 
 def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table, lengths, last, seeds, temperature,
@@ -143,11 +181,11 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
     """With `layer_params` (per-layer weight buffers, see `Engine._layer_views`) the dense
     cache is gathered per layer and the layers run unrolled, so a step slices nothing out of
     a stacked array (see `forward`). Without, the layer scan over the stacked params.
-    Up to `dense_decode.TAIL_MAX_ROWS` rows, the chunk's new tokens go into a tail instead of
-    the gathered cache (see dense_decode.py)."""
+    Up to `dense_decode.TAIL_MAX_ROWS` rows (untiled), the chunk's new tokens go into a tail
+    instead of the gathered cache (see dense_decode.py)."""
     per_layer = layer_params is not None
     dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, per_layer)
-    if last.shape[0] <= dense_decode.TAIL_MAX_ROWS:
+    if last.shape[0] <= dense_decode.TAIL_MAX_ROWS and not spec.tiled:
         tail = dense_decode.empty_tail(spec.pool, last.shape[0], spec.decode_chunk, per_layer)
 
         def tail_step(tail, last, num_new, now):
@@ -158,38 +196,51 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
         return kv_cache.scatter_dense(spec.pool, pool, tail, page_table, lengths, out[2], spec.decode_chunk,
                                       from_start=False), out
     zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
+    cfg, shards = spec.model_cfg(spec.decode_tile), spec.pool.num_shards
 
     def step(dense, last, num_new, lengths):
-        logits, dense = forward(params, spec.cfg, last[:, None], cache=dense, num_new=num_new, logits_index=zeros,
-                                layer_params=layer_params)
+        logits, dense = forward(params, cfg, last[:, None], cache=dense, num_new=num_new, logits_index=zeros,
+                                layer_params=layer_params, live_tiles=live_tiles(num_new > 0, shards, spec.decode_tile))
         return logits[:, 0], dense
 
     dense, out = decode_loop(step, dense, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
-                             steps=spec.decode_chunk, max_len=spec.max_len)
+                             steps=spec.decode_chunk, max_len=spec.max_len, tiles=_tiles(spec))
     return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, out[2], spec.decode_chunk), out
 
 
-def _decode_pallas(spec: ProgramSpec, params, pool, layer_params, page_table, lengths, last, seeds, temperature,
-                   top_p, top_k, budget, limit, stop_ids, *, dense_pages=None):
+def _tiles(spec: ProgramSpec) -> TokenTiles | None:
+    return TokenTiles(spec.decode_tile, spec.pool.num_shards) if spec.tiled else None
+
+
+def _decode_in_place(forward_fn, spec: ProgramSpec, params, pool, layer_params, page_table, lengths, last, seeds,
+                     temperature, top_p, top_k, budget, limit, stop_ids, *, dense_pages=None):
+    """A decode that reads and writes the pages in place every step (no dense copy)."""
     del layer_params, dense_pages
     zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
+    shards = spec.pool.num_shards
 
     def step(pool, last, num_new, lengths):
-        logits, pool = _paged_forward(spec, params, pool, page_table, lengths, last[:, None], num_new, zeros)
+        live = live_tiles(num_new > 0, shards, spec.decode_tile)
+        logits, pool = forward_fn(spec, params, pool, page_table, lengths, last[:, None], num_new, live, zeros)
         return logits[:, 0], pool
 
     return decode_loop(step, pool, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
-                       steps=spec.decode_chunk, max_len=spec.max_len)
+                       steps=spec.decode_chunk, max_len=spec.max_len, tiles=_tiles(spec))
+
+
+_decode_pallas = functools.partial(_decode_in_place, _pallas_forward)
+_decode_paged = functools.partial(_decode_in_place, _paged_forward)
 
 
 def decode_loop(step, cache, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids, *,
-                steps: int, max_len: int):
+                steps: int, max_len: int, tiles: TokenTiles | None = None):
     """Up to `steps` decode steps; stops early once every row is done.
 
     `step(cache, last [R], num_new [R], lengths [R]) -> (logits [R, V], cache)` feeds each
     active row's last token at its `lengths`. A row runs while it has `budget` (new tokens
     left), `limit` (tokens its pages hold this chunk; padding rows have 0) and context.
-    Reasons: 0 still running, 1 stop token, 2 budget (length), 3 context full."""
+    Reasons: 0 still running, 1 stop token, 2 budget (length), 3 context full.
+    Also returns the row-steps computed: every row each step, or with `tiles` the live tiles'."""
     batch = last.shape[0]
     keys = jax.vmap(jax.random.key)(seeds)
     active = (limit > 0) & (budget > 0) & (lengths < max_len)
@@ -201,13 +252,26 @@ def decode_loop(step, cache, lengths, last, seeds, temperature, top_p, top_k, bu
     def cond(carry):
         return (carry[0] < steps) & jnp.any(carry[3])
 
+    def computed_rows(active):
+        if tiles is None:
+            return jnp.int32(batch)
+        return live_tiles(active, tiles.shards, tiles.tile) * tiles.tile * tiles.shards
+
+    def sample(logits, step_keys, active):
+        if tiles is None:
+            return sample_tokens(logits, step_keys, temperature, top_p, top_k)
+        fn = lambda lg, kd, t, p, k: sample_tokens(lg, jax.random.wrap_key_data(kd), t, p, k)
+        return map_tiles(tiles, live_tiles(active, tiles.shards, tiles.tile), fn, logits,
+                         jax.random.key_data(step_keys), temperature, top_p, top_k)
+
     def body(carry):
-        i, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons = carry
+        i, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons, computed = carry
+        computed = computed + computed_rows(active)
         logits, cache = step(cache, last, active.astype(jnp.int32), lengths)
         lengths = lengths + active
         # a conversation's key depends only on its seed and the position being sampled
         step_keys = jax.vmap(jax.random.fold_in)(keys, lengths)
-        token, logprob = sample_tokens(logits, step_keys, temperature, top_p, top_k)
+        token, logprob = sample(logits, step_keys, active)
         out_tokens = out_tokens.at[:, i].set(jnp.where(active, token, 0))
         out_logprobs = out_logprobs.at[:, i].set(jnp.where(active, logprob, 0.0))
         counts = counts + active
@@ -216,11 +280,11 @@ def decode_loop(step, cache, lengths, last, seeds, temperature, top_p, top_k, bu
         reasons = jnp.where(active, reason, reasons)
         last = jnp.where(active, token, last)
         active = active & (reason == 0) & (counts < limit)
-        return i + 1, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons
+        return i + 1, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons, computed
 
-    carry = (jnp.int32(0), cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons)
-    _, cache, _, _, _, out_tokens, out_logprobs, counts, reasons = jax.lax.while_loop(cond, body, carry)
-    return cache, (out_tokens, out_logprobs, counts, reasons)
+    carry = (jnp.int32(0), cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons, jnp.int32(0))
+    _, cache, _, _, _, out_tokens, out_logprobs, counts, reasons, computed = jax.lax.while_loop(cond, body, carry)
+    return cache, (out_tokens, out_logprobs, counts, reasons, computed)
 
 
 # ---------------------------------------------------------------------- abstract arguments (planning)
@@ -240,7 +304,8 @@ def abstract_extend_args(spec: ProgramSpec, params, rows: int, width: int):
     return (params, kv_cache.abstract_pool(pool), jax.ShapeDtypeStruct((rows, pool.max_pages), i32, sharding=table_sh),
             jax.ShapeDtypeStruct((rows,), i32, sharding=rows_sh),
             jax.ShapeDtypeStruct((rows, width), i32, sharding=table_sh),
-            jax.ShapeDtypeStruct((rows,), i32, sharding=rows_sh))
+            jax.ShapeDtypeStruct((rows,), i32, sharding=rows_sh),
+            jax.ShapeDtypeStruct((), i32, sharding=None if pool.mesh is None else NamedSharding(pool.mesh, P())))
 
 
 def abstract_decode_args(spec: ProgramSpec, params, rows: int, num_stop_ids: int = 1):
@@ -279,22 +344,32 @@ def abstract_params(cfg: Qwen3Config, mesh):
 def abstract_programs(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int | None = None,
                       max_seqs: int, max_len: int, widths=(32, 128, 512, 2048), decode_chunk: int = 16,
                       max_extend_tokens: int = 8192, attention: str = "auto", blocks: KernelBlocks = DEFAULT_BLOCKS,
-                      dense_tokens: int | None = None, params=None) -> list[ProgramCall]:
-    """The engine's decode program (every shard full: `max_seqs` conversations) and its extend
-    program at each width (as many rows as `max_extend_tokens` allows), as an `Engine` with
-    these arguments would build them, on abstract arguments. `dense_tokens` (pure-JAX path):
-    the positions gathered (default max_len, the worst case). `params`: abstract params
-    (default: the training layout of `cfg` on `mesh`)."""
+                      dense_tokens: int | None = None, params=None, extend_tile: int | None = 16,
+                      deterministic: bool = False, decode_tile: int = 4) -> list[ProgramCall]:
+    """The engine's decode program (every shard full: `max_seqs` conversations) and its
+    extend program, as an `Engine` with these arguments would build them, on abstract
+    arguments: packed (`extend_tile`, the default: one program of as many `extend_tile`
+    rows as `max_extend_tokens` allows) or, with `extend_tile=None`, fixed rows at each of
+    `widths`. `deterministic`: token tiles (decode rows a multiple of `decode_tile`).
+    `dense_tokens` (the pure-JAX dense decode): the positions gathered (default max_len,
+    the worst case). `params`: abstract params (default: the training layout on `mesh`)."""
     spec = build_spec(cfg, mesh, num_slots=max_seqs, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
-                      page_size=page_size, decode_chunk=decode_chunk, attention=attention, blocks=blocks)
+                      page_size=page_size, decode_chunk=decode_chunk, attention=attention, blocks=blocks,
+                      tiled=deterministic, decode_tile=decode_tile)
     programs = Programs(spec)
     params = abstract_params(cfg, mesh) if params is None else params
-    shards, row_buckets = spec.pool.num_shards, batching.buckets(-(-max_seqs // spec.pool.num_shards))
-    static = {"dense_pages": batching.dense_pages(dense_tokens or max_len, spec.pool)}
-    calls = [ProgramCall("decode", programs.decode,
-                         abstract_decode_args(spec, params, shards * row_buckets[-1]), static)]
+    shards, per_shard = spec.pool.num_shards, -(-max_seqs // spec.pool.num_shards)
+    decode_rows = -(-per_shard // decode_tile) * decode_tile if deterministic else per_shard
+    dense = spec.attention == "reference" and not deterministic
+    static = {"dense_pages": batching.dense_pages(dense_tokens or max_len, spec.pool) if dense else None}
+    calls = [ProgramCall("decode", programs.decode, abstract_decode_args(spec, params, shards * decode_rows), static)]
+    if extend_tile:
+        rows = max(1, max_extend_tokens // extend_tile)
+        return calls + [ProgramCall(f"extend_{extend_tile}x{rows}", programs.extend,
+                                    abstract_extend_args(spec, params, shards * rows, extend_tile), {})]
+    row_buckets = batching.buckets(per_shard)
     for width in sorted({min(w, max_len) for w in widths}):
         rows = batching.bucket(max(1, min(max_extend_tokens // width, row_buckets[-1])), row_buckets)
         calls.append(ProgramCall(f"extend_{width}", programs.extend,
-                                 abstract_extend_args(spec, params, shards * rows, width), static))
+                                 abstract_extend_args(spec, params, shards * rows, width), {}))
     return calls

@@ -69,6 +69,7 @@ def forward(
     layer_params: list | None = None,
     segment_ids: jax.Array | None = None,
     attention: str | None = None,
+    live_tiles: jax.Array | None = None,
 ):
     """Run the model. Returns (logits [B, T or P, V], new cache or None).
 
@@ -90,7 +91,8 @@ def forward(
 
     `attention` names the attention implementation for this call (`muajax.models.attention`):
     by default `cfg.attention` without a cache and "xla" with one (the engine's extend and
-    decode; paged attention is the engine's own concern).
+    decode; paged attention is the engine's own concern). `live_tiles`: with
+    `cfg.token_tiles`, the tiles per shard to compute (see `muajax.models.token_tiles`).
     """
     impl = attention or (cfg.attention if cache is None else "xla")
     model = Qwen3(cfg if impl == cfg.attention else cfg.replace(attention=impl))
@@ -107,7 +109,7 @@ def forward(
         return out, None
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
-    ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)
+    ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)._replace(live_tiles=live_tiles)
     if cache.per_layer and layer_params is None:
         layer_params = split_layers(params, cfg.num_layers)
     out, (k, v) = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index, return_hidden,

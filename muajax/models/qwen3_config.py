@@ -10,6 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from muajax.models.attention import IMPLEMENTATIONS
+from muajax.models.token_tiles import TokenTiles
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -37,6 +38,9 @@ class Qwen3Config:
     # The LM head in float32 (products of bfloat16 values are exact in float32, so with
     # bfloat16 operands only the accumulation changes; see `lm_head`).
     logits_fp32: bool = False
+    # Token-wise dots in fixed tiles (`muajax.models.token_tiles`): a token's numbers then do
+    # not depend on the other tokens of the call. Set by the engine on its own programs.
+    token_tiles: TokenTiles | None = None
 
     def __post_init__(self):
         for name in ("param_dtype", "dtype"):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from muajax.models.attention import attention
 from muajax.models.context_parallel import sequence_split
 from muajax.models.qwen3_config import Qwen3Config
+from muajax.models.token_tiles import tiled_layer
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -56,6 +57,8 @@ class AttentionContext(NamedTuple):
     cos, sin [B, T, head_dim]: rotary tables at the queries' absolute positions.
     segment_ids [B, T]: without a cache, attention stays within equal ids (packing, padding).
     pages: whatever a `cache_attention` hook reads (e.g. a paged cache's page tables); None otherwise.
+    live_tiles: with `cfg.token_tiles`, the tiles per shard that hold tokens (int32 scalar);
+        the others are not computed (see `tiled_layer`).
     """
 
     q_index: jax.Array | None
@@ -65,6 +68,7 @@ class AttentionContext(NamedTuple):
     sin: jax.Array
     segment_ids: jax.Array | None = None
     pages: Any = None
+    live_tiles: jax.Array | None = None
 
 
 def declare_param(module: nn.Module, name: str, shape, axes, init):
@@ -119,20 +123,39 @@ class DecoderLayer(nn.Module):
         # Not when a mesh's sequence axis splits the rows: a [B*T] axis sharded over batch and
         # sequence holds whole rows where [B, T] holds parts of several, and every layer
         # would move its activations between the two.
-        b, t = x.shape[:2]
-        if sequence_split(jax.sharding.get_abstract_mesh(), t) == 1:
-            rows, row_axes = (b * t,), ("activation_tokens",)
-        else:
-            rows, row_axes = (b, t), ("activation_batch", "activation_length")
-        tokens = lambda a: nn.with_logical_constraint(a.reshape(*rows, a.shape[-1]), (*row_axes, None))
+        flat = cfg.token_tiles or sequence_split(jax.sharding.get_abstract_mesh(), x.shape[1]) == 1
+        row_axes = ("activation_tokens",) if flat else ("activation_batch", "activation_length")
+        # a tile's slice has no logical axes of its own: no constraints inside tiles
+        constrain = (lambda a, axes: a) if cfg.token_tiles else nn.with_logical_constraint
+        tokens = lambda a: constrain(a.reshape(-1, a.shape[-1]) if flat else a, (*row_axes, None))
         project = lambda a, w: jnp.einsum("...i,io->...o", a, w.astype(dt).reshape(a.shape[-1], -1))
-        y = tokens(rms_norm(x, attn_norm, cfg.rms_norm_eps))
-        q = project(y, wq).reshape(b, t, n, h)
-        kk = project(y, wk).reshape(b, t, k, h)
-        vv = project(y, wv).reshape(b, t, k, h)
-        q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", "head_dim"))
-        q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
-        kk = apply_rope(rms_norm(kk, k_norm, cfg.rms_norm_eps), ctx.cos, ctx.sin)
+
+        def pre_attention(x, cos, sin):
+            b, t = x.shape[:2]
+            y = tokens(rms_norm(x, attn_norm, cfg.rms_norm_eps))
+            q = project(y, wq).reshape(b, t, n, h)
+            kk = project(y, wk).reshape(b, t, k, h)
+            vv = project(y, wv).reshape(b, t, k, h)
+            q = constrain(q, ("activation_batch", "activation_length", "activation_heads", "head_dim"))
+            q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), cos, sin)
+            return q, apply_rope(rms_norm(kk, k_norm, cfg.rms_norm_eps), cos, sin), vv
+
+        def post_attention(x, attn):
+            b, t = x.shape[:2]
+            x = x + project(attn.reshape(*((b * t,) if flat else (b, t)), n * h), wo).reshape(b, t, d)
+            x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+            y = tokens(rms_norm(x, mlp_norm, cfg.rms_norm_eps))
+            hidden = nn.silu(project(y, w_gate)) * project(y, w_up)
+            hidden = constrain(hidden, (*row_axes, "activation_mlp"))
+            x = x + project(hidden, w_down).reshape(b, t, d)
+            return constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+
+        if cfg.token_tiles:  # the layer one tile at a time (token_tiles.py)
+            rope = lambda q_index: rope_tables(q_index, h, cfg.rope_theta, dt)
+            x, stacked = tiled_layer(cfg.token_tiles, rope, pre_attention, post_attention, self.cache_attention, x,
+                                     stacked, carry.layer, ctx)
+            return LayerCarry(x, stacked, carry.layer + 1), None
+        q, kk, vv = pre_attention(x, ctx.cos, ctx.sin)
 
         new_cache = None
         if self.cache_attention is not None:
@@ -150,15 +173,7 @@ class DecoderLayer(nn.Module):
         if self.cache_attention is None:
             attn = attention(q, keys, values, implementation=cfg.attention, segment_ids=ctx.segment_ids,
                              q_index=ctx.q_index, kv_valid=ctx.kv_valid)
-        x = x + project(attn.reshape(*rows, n * h), wo).reshape(b, t, d)
-        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
-
-        y = tokens(rms_norm(x, mlp_norm, cfg.rms_norm_eps))
-        hidden = nn.silu(project(y, w_gate)) * project(y, w_up)
-        hidden = nn.with_logical_constraint(hidden, (*row_axes, "activation_mlp"))
-        x = x + project(hidden, w_down).reshape(b, t, d)
-        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
-        return LayerCarry(x, stacked, carry.layer + 1), new_cache
+        return LayerCarry(post_attention(x, attn), stacked, carry.layer + 1), new_cache
 
 
 def _write_cache(layer_cache, k_new, v_new, write_index):

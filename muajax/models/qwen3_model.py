@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from muajax.models.chunked_attention import ATTENTION_LSE, ATTENTION_OUT
 from muajax.models.qwen3_config import Qwen3Config
 from muajax.models.qwen3_layers import AttentionContext, DecoderLayer, LayerCarry, declare_param, rms_norm
+from muajax.models.token_tiles import map_tiles
 
 
 def _remat_policy(name: str):
@@ -94,16 +95,19 @@ class Qwen3(nn.Module):
             x = carry.x
 
         final_norm = declare_param(self, "final_norm", (cfg.hidden_size,), ("norm",), nn.initializers.ones)
+        head = embed.T if cfg.tie_word_embeddings else declare_param(
+            self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), nn.initializers.normal(0.02))
+        if cfg.token_tiles and not return_hidden:  # the norm and the head a tile at a time
+            x = x if logits_index is None else jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+            flat = x.reshape(-1, x.shape[-1])
+            fn = lambda a: (lm_head(rms_norm(a, final_norm, cfg.rms_norm_eps), head, cfg),)
+            logits = map_tiles(cfg.token_tiles, ctx.live_tiles, fn, flat)[0].reshape(*x.shape[:-1], -1)
+            return logits, new_cache
         x = rms_norm(x, final_norm, cfg.rms_norm_eps)
         if logits_index is not None:  # only the rows' chosen positions need a [V]-wide head
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         if return_hidden:
             return x, new_cache
-        if cfg.tie_word_embeddings:
-            head = embed.T
-        else:
-            head = declare_param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-                          nn.initializers.normal(0.02))
         logits = lm_head(x, head, cfg)
         logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
         return logits, new_cache

@@ -37,7 +37,7 @@ def test_no_collective_grows_with_the_cache(mesh):
     by_program = {}
     for key, ops in found.items():
         by_program.setdefault(key.split()[0], []).append(ops)
-    assert sorted(by_program) == ["decode", "extend_32"]
+    assert sorted(by_program) == ["decode", "extend_16x32"]  # packed: rows of 16 tokens
     for program, variants in by_program.items():
         assert len(variants) == 3
         assert variants[0] == variants[1] == variants[2], (program, variants)
@@ -70,9 +70,9 @@ def test_pallas_programs_compile_for_a_tpu_topology():
                           check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(found) == ["decode pool=131072", "decode pool=65536", "extend_256 pool=131072",
-                             "extend_256 pool=65536"]
-    for program in ("decode", "extend_256"):
+    assert sorted(found) == ["decode pool=131072", "decode pool=65536", "extend_64x64 pool=131072",
+                             "extend_64x64 pool=65536"]
+    for program in ("decode", "extend_64x64"):
         small, big = found[f"{program} pool=65536"], found[f"{program} pool=131072"]
         assert small["device_kind"].startswith("TPU v5") and small["kernel"] and big["kernel"]
         assert big["argument_bytes"] > small["argument_bytes"]  # the pool is an argument...

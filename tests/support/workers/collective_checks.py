@@ -34,7 +34,8 @@ def main(mesh_text: str) -> None:
     out = {}
     for pool_tokens, dense_tokens in ((16 * 1024, 256), (32 * 1024, 256), (16 * 1024, 512)):
         calls = abstract_programs(CFG, mesh, kv_cache_tokens=pool_tokens, page_size=8, max_seqs=16, max_len=1024,
-                                  widths=(32,), decode_chunk=4, dense_tokens=dense_tokens)
+                                  extend_tile=16, max_extend_tokens=512, decode_chunk=4,
+                                  dense_tokens=dense_tokens)
         for call in calls:
             hlo = call.lower().compile().as_text()
             out[f"{call.name} pool={pool_tokens} dense={dense_tokens}"] = collectives(hlo)

@@ -28,7 +28,8 @@ def main(topology: str) -> None:
     out = {}
     for pool_tokens in (64 * 1024, 128 * 1024):
         calls = abstract_programs(CFG, mesh, kv_cache_tokens=pool_tokens, page_size=64, max_seqs=32, max_len=4096,
-                                  widths=(256,), decode_chunk=4, attention="pallas")
+                                  extend_tile=64, max_extend_tokens=4096, decode_chunk=4,
+                                  attention="pallas")
         for call in calls:
             compiled = call.lower().compile()
             hlo = compiled.as_text()
