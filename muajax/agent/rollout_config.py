@@ -73,11 +73,15 @@ class RolloutConfig(Checked):
     # None: tensor parallel over a host's devices on TPU and GPU, the training mesh on CPU.
     mesh: RolloutMeshConfig | None = None
     keep_kv_pool: bool = False  # keep the pool through the train step (else freed, made again)
-    # Every engine call has all of a shard's slots as rows, so a conversation's numbers do not
-    # depend on which others share its calls: same config and seed, same bits, whatever the
-    # timing of users and tools (while nothing is preempted). False: calls bucketed to the
-    # conversations in them (less padded work, rounding that follows the schedule).
+    # A conversation's numbers do not depend on which others share its engine calls: same
+    # config and seed, same bits, whatever the timing of users and tools (while nothing is
+    # preempted). False: packed calls, each dot over the whole call (rounding follows the schedule).
     deterministic: bool = True
+    # How deterministic calls are made: "packed" computes every token-wise step in fixed tiles
+    # (muajax/models/token_tiles.py) and only the tiles that hold tokens; "fixed_rows" (the
+    # older way, kept for backends where tiles do not make a row's numbers batch-invariant)
+    # gives every call all of a shard's slots as rows and computes the padding too.
+    call_layout: Literal["packed", "fixed_rows"] = "packed"
 
     def validate(self) -> None:
         try:

@@ -54,7 +54,7 @@ MAY_CHANGE = ("run.name", "run.out_dir", "run.gpu_memory_fraction", "checkpoint.
               "model.remat", "model.attention", "grpo.microbatch_size", "grpo.logits_chunk", "sft.microbatch_size",
               "rollout.num_slots", "rollout.tool_workers", "rollout.overlap_io", "rollout.user_timeout_s",
               "rollout.kv_cache_tokens", "rollout.kv_cache_share", "rollout.page_size", "rollout.attention",
-              "rollout.mesh", "rollout.mesh.", "rollout.keep_kv_pool", "rollout.deterministic",
+              "rollout.mesh", "rollout.mesh.", "rollout.keep_kv_pool", "rollout.deterministic", "rollout.call_layout",
               "user.base_url", "user.api_key_env", "user.timeout_s", "user.max_retries", "user.max_concurrency",
               "grpo.max_consecutive_skips", "sft.max_consecutive_skips", "rollout.max_failed_share")
 _ABSENT = "(absent)"

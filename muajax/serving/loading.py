@@ -6,6 +6,7 @@ import dataclasses
 import os
 import time
 
+from muajax.agent.rollout_config import RolloutConfig
 from muajax.serving.app import ChatService
 from muajax.serving.scheduler import warmup as compile_programs
 from muajax.runtime.policy import Policy, load_policy, make_engine
@@ -34,7 +35,9 @@ def build_service(opts: ServeOptions, policy: Policy | None = None) -> tuple[Pol
     if policy is None:
         policy = load_policy(opts.checkpoint, stage=opts.stage, step=opts.step, dtype=opts.dtype)
     max_len = min(opts.max_len, policy.model_cfg.max_position_embeddings)
-    engine = make_engine(policy, num_slots=opts.slots, max_len=max_len, decode_chunk=opts.decode_chunk)
+    # serving wants throughput, not bits that ignore the batch: each dot over the whole call
+    engine = make_engine(policy, num_slots=opts.slots, max_len=max_len, decode_chunk=opts.decode_chunk,
+                         rollout=RolloutConfig.for_engine(max_len, deterministic=False))
     if opts.warmup:
         start = time.perf_counter()
         runs = compile_programs(engine)

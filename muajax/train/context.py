@@ -86,10 +86,11 @@ class RunContext:
         its own copy of them, see `muajax.runtime.rollout_engine`)."""
         if self._engine is None:
             r, slots = self.cfg.rollout, self.engine_slots()
-            # deterministic: every call as wide as this process's share of a step's conversations
+            # fixed rows: every call as wide as this process's share of a step's conversations
+            fixed = r.deterministic and r.call_layout == "fixed_rows"
             self._engine = make_rollout_engine(None, self.model_cfg, self.mesh, self.tok, num_slots=slots,
                                                max_len=r.max_context, rollout=r, min_batch_bucket=min(8, slots),
-                                               call_rows=self.rollout_slots() if r.deterministic else None)
+                                               call_rows=self.rollout_slots() if fixed else None)
         self._engine.params = params
         return self._engine
 
