@@ -154,10 +154,22 @@ def _paged_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens,
 
 def _pallas_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live, logits_index=None,
                     return_hidden=False):
-    """The TPU kernel over the pages in place (paged_attention.py)."""
-    batch = paged_attention.kernel_batch(spec.pool, page_table, lengths, num_new, tokens.shape[1])
+    """The TPU kernel over the pages in place (paged_attention.py). With token tiles the
+    kernel's packed batch is made per tile (its arrays are not rows-first: a tile cannot
+    slice them), from the tile's rows."""
+    width = tokens.shape[1]
     hook = functools.partial(paged_attention.pallas_cache_attention, spec.pool, spec.blocks)
-    return _hooked_forward(spec, hook, batch, params, pool, lengths, tokens, live, logits_index, return_hidden)
+    if not spec.tiled:
+        batch = paged_attention.kernel_batch(spec.pool, page_table, lengths, num_new, width)
+        return _hooked_forward(spec, hook, batch, params, pool, lengths, tokens, live, logits_index, return_hidden)
+
+    def tile_hook(q, k, v, pool, layer, ctx):
+        rows = ctx.pages
+        batch = paged_attention.kernel_batch(spec.pool, rows["page_table"], rows["lengths"], rows["num_new"], width)
+        return hook(q, k, v, pool, layer, ctx._replace(pages=batch))
+
+    rows = {"page_table": page_table, "lengths": lengths, "num_new": num_new}
+    return _hooked_forward(spec, tile_hook, rows, params, pool, lengths, tokens, live, logits_index, return_hidden)
 
 
 def _extend_paged(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live):

@@ -79,7 +79,9 @@ def test_attention_choice():
         resolve_attention("flash", cfg)
 
 
-def test_engine_on_the_pallas_kernel_equals_the_pure_jax_engine(interpret):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_engine_on_the_pallas_kernel_equals_the_pure_jax_engine(interpret, deterministic):
+    """Also with token tiles (the kernel then runs per tile, on the tile's rows)."""
     cfg = TINY_CONFIG.replace(vocab_size=128, intermediate_size=96, head_dim=128, rope_theta=10000.0)
     params = init_params(cfg, jax.random.key(3))
     rng = np.random.RandomState(5)
@@ -88,7 +90,7 @@ def test_engine_on_the_pallas_kernel_equals_the_pure_jax_engine(interpret):
     out = {}
     for attention in ("reference", "pallas"):
         engine = Engine(params, cfg, num_slots=3, max_len=96, stop_ids=(), decode_chunk=6, page_size=8,
-                        extend_widths=(16,), attention=attention)
+                        extend_widths=(16,), attention=attention, deterministic=deterministic)
         slots = [engine.open(p, seed=i) for i, p in enumerate(first)]
         sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
         gens = [engine.generate(slots, sampling)]

@@ -63,15 +63,18 @@ def test_sharded_pool_generates_what_one_device_does():
 @NEEDS_LIBTPU
 def test_pallas_programs_compile_for_a_tpu_topology():
     """The real TPU compiler (libtpu, no TPU needed) compiles decode and extend with the kernel
-    on v5p:2x2x1 (two page shards x tensor 2); temporaries and collectives do not follow the pool."""
+    on v5p:2x2x1 (two page shards x tensor 2), also with token tiles; temporaries and collectives
+    do not follow the pool."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # other processes on this host may hold libtpu
     proc = subprocess.run([sys.executable, workers.path("tpu_compile_checks.py"), "v5p:2x2x1"],
                           check=False, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(found) == ["decode pool=131072", "decode pool=65536", "extend_64x64 pool=131072",
-                             "extend_64x64 pool=65536"]
+    assert sorted(found) == ["decode pool=131072", "decode pool=65536", "decode tiled pool=65536",
+                             "extend_64x64 pool=131072", "extend_64x64 pool=65536", "extend_64x64 tiled pool=65536"]
+    for program in ("decode tiled", "extend_64x64 tiled"):  # token tiles: the kernel per tile
+        assert found[f"{program} pool=65536"]["kernel"]
     for program in ("decode", "extend_64x64"):
         small, big = found[f"{program} pool=65536"], found[f"{program} pool=131072"]
         assert small["device_kind"].startswith("TPU v5") and small["kernel"] and big["kernel"]

@@ -26,15 +26,15 @@ def main(topology: str) -> None:
     mesh = Mesh(np.array(devices).reshape(1, len(devices) // 2, 2, 1), parallel.MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(parallel.MESH_AXES))
     out = {}
-    for pool_tokens in (64 * 1024, 128 * 1024):
+    for pool_tokens, tiled in ((64 * 1024, False), (128 * 1024, False), (64 * 1024, True)):
         calls = abstract_programs(CFG, mesh, kv_cache_tokens=pool_tokens, page_size=64, max_seqs=32, max_len=4096,
                                   extend_tile=64, max_extend_tokens=4096, decode_chunk=4,
-                                  attention="pallas")
+                                  attention="pallas", deterministic=tiled)
         for call in calls:
             compiled = call.lower().compile()
             hlo = compiled.as_text()
             mem = compiled.memory_analysis()
-            out[f"{call.name} pool={pool_tokens}"] = {
+            out[f"{call.name}{' tiled' if tiled else ''} pool={pool_tokens}"] = {
                 "device_kind": devices[0].device_kind, "kernel": "ragged_paged_attention" in hlo,
                 "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes,
                 "collectives": collectives(hlo)}
