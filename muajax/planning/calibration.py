@@ -41,6 +41,17 @@ def engine_shards(plan, rollout: RolloutConfig, hosts: int) -> int:
     return data * fsdp
 
 
+def engine_attention(plan) -> str:
+    """The engine's attention as it resolves "auto" where the plan's run goes
+    (`paged_attention.resolve_attention`): Pallas on a TPU, in place on a GPU (also a GPU
+    plan compiled by XLA:CPU), else the dense "reference" decode."""
+    e = plan.settings.engine_settings
+    requested = e.resolved_attention() if hasattr(e, "resolved_attention") else e.attention
+    if requested != "auto":
+        return requested
+    return "pallas" if plan.compiler == "tpu" else "reference"
+
+
 def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1,
                   shards: int | None = None) -> StepSettings:
     """What `predict_step` needs beyond the plan: the engine's schedule (from the plan's
@@ -50,16 +61,22 @@ def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1,
     s, e = plan.settings, plan.settings.engine_settings
     r = rollout or RolloutConfig.for_engine(e.max_len)
     shards = shards or engine_shards(plan, r, hosts)
-    pallas = plan.compiler == "tpu" and e.attention in ("auto", "pallas")
+    attention = engine_attention(plan)
     conversations = -(-s.batch // hosts)
     slots = max(-(-e.num_slots // hosts), getattr(e, "eval_slots", 0))  # RunContext.engine_slots
+    # the call layout as RunContext.engine chooses it: fixed rows (a step's share of
+    # conversations in every call) or packed, with token tiles where deterministic
+    fixed = r.deterministic and r.call_layout == "fixed_rows"
+    tiled = r.deterministic and not fixed
+    rollout_slots = -(-(getattr(e, "call_rows", None) or r.num_slots or s.batch) // hosts)  # run_tasks.rollout_slots
     schedule = Schedule(conversations=conversations, num_slots=max(slots, conversations), max_context=r.max_context,
                         max_new_tokens=r.max_new_tokens_per_turn, max_turns=r.max_turns, decode_chunk=e.decode_chunk,
                         widths=tuple(e.widths), max_extend_tokens=e.max_extend_tokens,
-                        page_size=e.page_size or (128 if pallas else 16),
-                        call_rows=-(-conversations // shards) if r.deterministic else None,
-                        min_batch_bucket=min(8, slots), shards=shards, dense_buckets=not pallas,
-                        overlap_io=r.overlap_io)
+                        page_size=e.page_size or (128 if attention == "pallas" else 16),
+                        call_rows=-(-rollout_slots // shards) if fixed else None,
+                        min_batch_bucket=min(8, slots), shards=shards,
+                        dense_buckets=attention == "reference" and not tiled, overlap_io=r.overlap_io, tiled=tiled,
+                        extend_tile=getattr(e, "extend_tile", 16), decode_tile=getattr(e, "decode_tile", 4))
     rows, g = plan.rows["grpo"], s.grpo
     return StepSettings(schedule=schedule, update_rows=rows["batch"], microbatches=rows["microbatches"],
                         updates_per_epoch=-(-s.batch // rows["batch"]), ppo_epochs=g.ppo_epochs,

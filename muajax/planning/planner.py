@@ -25,6 +25,7 @@ from muajax.planning.phases import Phase, rollout_phase, sync_phase, update_phas
 from muajax.planning.programs import (EngineSettings, engine_cast_bytes, engine_programs, grpo_program,
                                       old_logprobs_program, sft_program)
 from muajax.planning.roofline import roofline
+from muajax.planning.topology import GPUS
 from muajax.rl.grpo import GRPOConfig
 from muajax.runtime.grpo_layout import GRPOLayout, make_layout, rows_attention
 
@@ -82,8 +83,13 @@ def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None
                        if stage in cfg.run.stages)
     # as RunContext.engine sizes it: a step's conversations, or the evaluation's if more
     # (`eval_slots`, per host: the domain's held-out tasks x trials, `run_config.domain_facts`)
+    # and lays its calls out as RunContext.engine does: fixed rows (every call a step's share of
+    # conversations wide) or packed, with token tiles where deterministic
+    fixed = r.deterministic and r.call_layout == "fixed_rows"
     engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context, kv_cache_tokens=r.kv_cache_tokens,
-                            page_size=r.page_size, attention=r.attention, mesh=r.mesh, eval_slots=eval_slots)
+                            page_size=r.page_size, attention=r.attention, mesh=r.mesh, eval_slots=eval_slots,
+                            deterministic=r.deterministic and not fixed,
+                            call_rows=(r.num_slots or batch) if fixed else None)
     values = dict(batch=batch, seq=r.max_context, temperature=r.temperature,
                   grpo=cfg.grpo, sft=cfg.sft, engine=engine, keep_kv_during_update=r.keep_kv_pool, phases=phases)
     return PlanSettings(**{**values, **overrides})
@@ -206,6 +212,9 @@ def plan_run(cfg: Qwen3Config, *, devices: list, mesh: dict[str, int], settings:
     """Compile the run's programs on `devices` laid out as `mesh` and sum its phases."""
     device_mesh = parallel.make_mesh(**mesh, devices=devices)
     platform = devices[0].platform
+    if chip is not None and chip.name in GPUS and settings.engine_settings.platform is None:
+        # a GPU plan compiled by XLA:CPU: its engine resolves "auto" as a GPU's does
+        settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine_settings, platform="gpu"))
     s, n = settings, device_mesh.size
     compiled: list[ProgramCost] = []
     phases: list[Phase] = []

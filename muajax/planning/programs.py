@@ -8,7 +8,11 @@ abstract sharded arguments (nothing is allocated).
   dtype (float32 master weights when param_dtype is float32).
 - `sft_program`: `muajax.rl.sft.make_sft_step` as `muajax.train.sft.run_sft` calls it.
 - `engine_programs`: `muajax.engine.programs.abstract_programs`, the engine's own decode and
-  extend programs (the Pallas paged attention on a TPU mesh) on the mesh the trainer's
+  extend programs as the trainer builds them (packed extends in tiles of 16 tokens at the
+  most rows a call can have, or with `rollout.call_layout: fixed_rows` one program per
+  width; token tiles with `rollout.deterministic`; attention resolved as the engine
+  resolves "auto": the Pallas paged attention on a TPU mesh, "paged" in place on a GPU,
+  also where a GPU plan is compiled by XLA:CPU) on the mesh the trainer's
   engine uses (`muajax.runtime.rollout_engine.engine_mesh`: one host's devices), reading the
   params as that engine does (its own compute-dtype copy in its own layout, or the train
   state's in place), with this host's share of the page pool as its state.
@@ -24,6 +28,7 @@ from jax.sharding import Mesh
 
 from muajax import parallel
 from muajax.engine import kv_cache
+from muajax.engine.engine import DECODE_TILE, EXTEND_TILE
 from muajax.engine.programs import abstract_programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
 from muajax.planning import topology
@@ -142,6 +147,23 @@ class EngineSettings:
     attention: str = "auto"
     mesh: RolloutMeshConfig | None = None  # rollout.mesh; None: the trainer's default for the platform
     eval_slots: int = 0                 # the evaluation's conversations (every host runs it whole)
+    # the call layout (`RunContext.engine`): token tiles (rollout.deterministic with packed
+    # calls), or fixed rows (rollout.call_layout fixed_rows: `call_rows` rows, all shards, in
+    # every call); neither: packed calls with whole-call dots
+    deterministic: bool = True          # the trainer's default (rollout.deterministic)
+    call_rows: int | None = None
+    extend_tile: int = EXTEND_TILE
+    decode_tile: int = DECODE_TILE
+    platform: str | None = None         # where the engine runs, when not where the plan compiles ("gpu": h100:8)
+
+    @property
+    def call_layout(self) -> str:
+        return "fixed_rows" if self.call_rows else "packed"
+
+    def resolved_attention(self) -> str:
+        """"auto" as the engine on `platform` resolves it (`paged_attention.resolve_attention`):
+        a GPU reads the pages in place; elsewhere the mesh's platform decides (build_spec)."""
+        return "paged" if self.attention == "auto" and self.platform == "gpu" else self.attention
 
 
 def host_devices(devices: list) -> tuple[list, int]:
@@ -179,19 +201,23 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
                                                                                             dict[str, int], int]:
     """The engine's decode and extend programs as AbstractPrograms, the bytes per device of
     its resident state (its page pool), and of its own copy of the params (0: it reads the
-    train state's `params` in place)."""
+    train state's `params` in place). A packed extend is planned at its largest call (every
+    row of `max_extend_tokens`), the decode at every slot: the memory of the worst call."""
     devices, hosts = host_devices(list(mesh.devices.flat))
     devices = topology.one_host_devices(devices)
     local = rollout_engine.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
     slots = max(-(-engine.num_slots // hosts), engine.eval_slots)  # RunContext.engine_slots
     tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)
+    attention = engine.resolved_attention()
+    tiled = engine.deterministic and not engine.call_rows
     spec = build_spec(cfg, local, num_slots=slots, max_len=engine.max_len, kv_cache_tokens=tokens,
-                      page_size=engine.page_size, decode_chunk=engine.decode_chunk, attention=engine.attention)
+                      page_size=engine.page_size, decode_chunk=engine.decode_chunk, attention=attention,
+                      tiled=tiled, decode_tile=engine.decode_tile)
     pool = shard_bytes(kv_cache.abstract_pool(spec.pool))
     layout = "x".join(str(n) for n in local.devices.shape)
     per_host = " per host" if hosts > 1 else ""
     state = {f"KV pool ({spec.pool.tokens} tokens{per_host}, pages of {spec.pool.page_size}, {spec.attention}, "
-             f"mesh {layout})": pool}
+             f"{engine.call_layout}{', token tiles' if tiled else ''}, mesh {layout})": pool}
     copy_bytes = 0
     if rollout_engine.copies_params(cfg, local, mesh, hosts > 1):
         params = engine_copy(params, cfg, local)
@@ -199,7 +225,9 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     calls = abstract_programs(cfg, local, kv_cache_tokens=spec.pool.tokens, page_size=spec.pool.page_size,
                               max_seqs=slots, max_len=engine.max_len, widths=engine.widths,
                               decode_chunk=engine.decode_chunk, max_extend_tokens=engine.max_extend_tokens,
-                              attention=engine.attention, params=params)
+                              attention=attention, params=params,
+                              extend_tile=None if engine.call_rows else engine.extend_tile, deterministic=tiled,
+                              decode_tile=engine.decode_tile)
     which = "its own copy" if copy_bytes else "the train state's"
     resident = {f"params ({which})": shard_bytes(params), **state}
     # the decode's while_loop runs up to decode_chunk steps: its trip count is not in the HLO

@@ -5,22 +5,30 @@
   prompt's full pages once (one extend, the engine's shared prefix: `register_prefix`),
   every admitted one then extends the rest of its prompt;
 - each loop iteration is one `engine.step()`: every generating conversation's queued
-  tokens but the last are extended (calls per width bucket, `batching.extend_batches`),
-  then one decode chunk of up to `decode_chunk` steps runs over all of them (as many calls
-  as the rows allow), stopping early when every row is done;
+  tokens but the last are extended, then one decode chunk of up to `decode_chunk` steps
+  runs over all of them (as many calls as the rows allow), stopping early when every row
+  is done. The calls are laid out as the engine lays them out (`Schedule.call_rows`,
+  `tiled`): packed (the default: every waiting token in rows of `extend_tile`, rows per
+  shard a power of two, `batching.packed_extend_batches`; with token tiles only the live
+  rows, and of a decode only the live tiles of `decode_tile` rows, are computed) or fixed
+  rows (every call `call_rows` rows per shard, each conversation extended at its own
+  width bucket, every padded slot computed: `batching.extend_batches` with fixed_rows);
 - a finished agent turn waits for its tool result or user reply; the reply is posted while
   the next step runs, so it joins the step after that (or at once, when nothing else is
   decoding and the loop waits on its inbox), and not before the user's latency has passed;
   with `overlap_io` off nothing decodes while a reply is pending;
 - a conversation ends after its last agent turn, at `max_turns`, or when its context is
   full (`max_context`).
-Each call's shape (rows, width, gathered length, steps run) is priced by `CallTimes`.
+Each call's shape (rows, width, key positions, steps run, rows computed) is priced by
+`CallTimes`; the run counts the positions computed beside the real tokens, as the engine's
+stats do (`extend_positions` / `extend_tokens`, `decode_positions` / `decode_tokens`).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,17 +49,33 @@ class Schedule:
     widths: tuple[int, ...] = (32, 128, 512, 2048)
     max_extend_tokens: int = 8192
     page_size: int = 16
-    call_rows: int | None = None       # rows per shard of every call (rollout.deterministic); None: bucketed
+    call_rows: int | None = None       # fixed rows per shard of every call (rollout.call_layout fixed_rows)
     min_batch_bucket: int = 1
     shards: int = 1                    # the engine mesh's batch shards
-    dense_buckets: bool = True         # the pure-JAX path gathers a power-of-two bucket of pages
+    dense_buckets: bool = True         # the decode gathers a power-of-two bucket of pages (the dense "reference")
     overlap_io: bool = True
+    tiled: bool = False                # token tiles (packed and deterministic): only live tiles are computed
+    extend_tile: int = 16              # tokens per row of a packed extend (the Engine's extend_tile)
+    decode_tile: int = 4               # rows per decode tile (the Engine's decode_tile)
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
+        """Rows per shard a decode call can have (`batching.decode_buckets`, as the Engine)."""
+        if self.call_rows:
+            return (self.call_rows,)
+        if self.tiled:
+            return batching.decode_buckets(self.num_slots, self.min_batch_bucket, None, self.decode_tile)
         per_shard = -(-self.num_slots // self.shards)
-        return (self.call_rows,) if self.call_rows else batching.buckets(per_shard, min(self.min_batch_bucket,
-                                                                                      per_shard))
+        return batching.buckets(per_shard, min(self.min_batch_bucket, per_shard))
+
+    @property
+    def extend_row_buckets(self) -> tuple[int, ...]:
+        """Rows per shard a packed extend call can have (`Engine.extend_buckets`)."""
+        return batching.buckets(max(1, self.max_extend_tokens // self.extend_tile))
+
+    @property
+    def layout(self) -> str:
+        return "fixed_rows" if self.call_rows else "packed, token tiles" if self.tiled else "packed"
 
     @property
     def extend_widths(self) -> tuple[int, ...]:
@@ -71,13 +95,21 @@ class _PoolShape:  # what batching.dense_pages reads of a PoolSpec
     max_pages: int
 
 
+class ExtendCall(NamedTuple):
+    rows: int      # the call's rows, all shards
+    width: int
+    keys: int      # key positions a computed row's attention reads (the longest row's; with tiles their mean)
+    computed: int  # rows the layers compute (with token tiles the live ones; else every row)
+
+
 @dataclasses.dataclass
 class CallTimes:
-    """Seconds of one engine call: decode(rows, gathered positions, steps run) and
-    extend(rows, width, gathered positions); rows are the call's, all shards."""
+    """Seconds of one engine call: decode(rows, key positions, steps run, row-steps
+    computed) and extend(rows, width, key positions, rows computed); rows are the call's,
+    all shards."""
 
-    decode: Callable[[int, int, int], float]
-    extend: Callable[[int, int, int], float]
+    decode: Callable[[int, int, int, int], float]
+    extend: Callable[[int, int, int, int], float]
 
 
 @dataclasses.dataclass
@@ -137,6 +169,8 @@ class RolloutRun:
     steps: int = 0
     sampled_tokens: int = 0
     extend_tokens: int = 0
+    extend_positions: int = 0          # positions the extends' layers computed (padding included)
+    decode_positions: int = 0          # row-steps the decodes' layers computed
     lengths: list[int] = dataclasses.field(default_factory=list)   # each conversation's final length
     responses: list[int] = dataclasses.field(default_factory=list)  # each conversation's sampled tokens
 
@@ -154,42 +188,82 @@ def _calls_per_round(count: int, schedule: Schedule) -> list[int]:
     return rows
 
 
-def extend_calls(todo: Sequence[tuple[int, int]], schedule: Schedule) -> list[tuple[int, int, int]]:
-    """(rows, width, gathered positions) of the calls that extend `todo` = [(cached, new)],
-    as `batching.extend_batches` groups them (fixed rows: each sequence at its own width)."""
-    widths, buckets = schedule.extend_widths, schedule.row_buckets
+def extend_calls(todo: Sequence[tuple[int, int]], schedule: Schedule) -> list[ExtendCall]:
+    """The calls that extend `todo` = [(cached, new)] (oldest first), as the engine cuts
+    them: packed (`batching.packed_extend_batches`) or fixed rows (`extend_batches`: each
+    sequence at its own width). No extend gathers a dense copy: every path reads the pages
+    in place, each row up to its own keys."""
     left = [[c, n] for c, n in todo if n > 0]
+    return _fixed_extends(left, schedule) if schedule.call_rows else _packed_extends(left, schedule)
+
+
+def _packed_extends(left: list[list[int]], schedule: Schedule) -> list[ExtendCall]:
+    tile, shards = schedule.extend_tile, schedule.shards
+    buckets = schedule.extend_row_buckets
+    budget = buckets[-1] * shards  # tiles a call holds (the shards' groups taken as even)
     calls = []
     while left:
-        if schedule.call_rows:
-            own = [batching.bucket(min(n, widths[-1]), widths) for _, n in left]
-            width = min(own)
-            members = [x for x, w in zip(left, own) if w == width]
+        reach: list[int] = []  # each row's keys once written
+        for item in left:
+            while item[1] > 0 and len(reach) < budget:
+                n = min(item[1], tile)
+                item[0] += n
+                item[1] -= n
+                reach.append(item[0])
+        live = -(-len(reach) // shards)
+        rows = shards * batching.bucket(live, buckets)
+        if schedule.tiled:  # only the live rows run, each tile over its own row's keys
+            calls.append(ExtendCall(rows, tile, -(-sum(reach) // len(reach)), live * shards))
         else:
-            width, members = batching.bucket(max(n for _, n in left), widths), list(left)
+            calls.append(ExtendCall(rows, tile, max(reach), rows))
+        left = [x for x in left if x[1] > 0]
+    return calls
+
+
+def _fixed_extends(left: list[list[int]], schedule: Schedule) -> list[ExtendCall]:
+    widths, buckets = schedule.extend_widths, schedule.row_buckets
+    calls = []
+    while left:
+        own = [batching.bucket(min(n, widths[-1]), widths) for _, n in left]
+        width = min(own)
+        members = [x for x, w in zip(left, own) if w == width]
         cap = batching.extend_cap(width, buckets, schedule.max_extend_tokens) * schedule.shards
         members = members[:cap]
-        per_shard = -(-len(members) // schedule.shards)
-        rows = cap if schedule.call_rows else schedule.shards * batching.bucket(per_shard, buckets)
         reach = 0
         for item in members:
             step = min(item[1], width)
             reach = max(reach, item[0] + step)
             item[0] += step
             item[1] -= step
-        calls.append((rows, width, schedule.dense(reach)))
+        calls.append(ExtendCall(cap, width, reach, cap))
         left = [x for x in left if x[1] > 0]
     return calls
 
 
 def _price_extends(run: RolloutRun, todo, schedule: Schedule, times: CallTimes) -> float:
     seconds = 0.0
-    for rows, width, dense in extend_calls(todo, schedule):
-        seconds += times.extend(rows, width, dense)
+    for call in extend_calls(todo, schedule):
+        seconds += times.extend(*call)
         run.extend_calls += 1
+        run.extend_positions += call.computed * call.width
     run.extend_tokens += sum(n for _, n in todo)
     run.extend_s += seconds
     return seconds
+
+
+def decode_row_steps(advance: Sequence[int], rows: int, schedule: Schedule, steps: int) -> int:
+    """Row-steps a decode call of `rows` rows computes over `steps` steps while its rows
+    advance `advance` steps each: every row every step, or with token tiles each step the
+    live tiles of the fullest shard (the rows still decoding taken as packed first and even
+    over the shards)."""
+    if not schedule.tiled:
+        return rows * steps
+    tile, shards = schedule.decode_tile, schedule.shards
+    total = 0
+    for i in range(steps):
+        active = sum(1 for a in advance if a > i)
+        total += -(-(-(-active // shards)) // tile) * tile * shards
+    return total
 
 
 def _start_turn(live: _Live, schedule: Schedule) -> None:
@@ -206,10 +280,15 @@ def _engine_step(gen: list[_Live], schedule: Schedule, times: CallTimes, run: Ro
     # a row's pages cover its chunk's allowance (what its budget allows, not what it samples)
     reach = max(x.length - 1 + min(schedule.decode_chunk, x.budget - x.turn_sampled()) for x in gen)
     dense = schedule.dense(min(reach, schedule.max_context))
-    decode = 0.0
+    decode, done = 0.0, 0
     for rows in _calls_per_round(len(gen), schedule):
-        decode += times.decode(rows, dense, steps)
+        part = advance[done:done + rows]
+        done += rows
+        call_steps = max(part, default=0) if schedule.tiled else steps
+        computed = decode_row_steps(part, rows, schedule, call_steps)
+        decode += times.decode(rows, dense, call_steps, computed)
         run.decode_calls += 1
+        run.decode_positions += computed
     run.decode_s += decode
     for x, a in zip(gen, advance):
         x.left -= a

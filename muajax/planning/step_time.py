@@ -4,12 +4,14 @@
 
 rollout_s  the rollout played through the engine's schedule call by call
            (`rollout_schedule.simulate`: decode chunks over the generating rows, extends
-           per width bucket with their padding, the system prompt computed once, the tail
+           packed or in fixed rows as the engine lays them out (with token tiles only the
+           live tiles computed), the system prompt computed once, the tail
            where few rows remain, user latency overlapped as the rollout loop allows), each
            call priced from the plan's compiled engine program of its kind (`engine decode`,
-           `engine extend_W`), rescaled to the call's rows, gathered length and steps by the
-           analytic model of its work (FLOPs from muajax/models/flops.py, bytes from the
-           weights and the KV cache it reads and writes);
+           `engine extend_16x512` or `extend_W`), rescaled to the call's rows, key length and
+           steps by the analytic model of its work (FLOPs from muajax/models/flops.py, bytes
+           from the weights and the KV cache it reads and writes); a token-tiled call by that
+           model alone (its loops' counts are the data's; its weights read once per tile);
 sync_s     the engine's copy of the params (the plan's rollout phase says how many bytes per
            device; 0 when the engine reads the train state's params in place): read and
            written once, and moved over the interconnect when the layouts differ;
@@ -34,6 +36,7 @@ import math
 import numpy as np
 
 from muajax.chips import Chip
+from muajax.engine.paged_reference import BLOCK_TOKENS
 from muajax.models.flops import forward_flops, head_params, real_token_flops, train_step_flops
 from muajax.planning.compile import ProgramCost
 from muajax.planning.roofline import COLLECTIVE_FACTORS
@@ -102,50 +105,96 @@ class StepSettings:
 
 
 class _EngineModel:
-    """Per-call seconds of the engine's programs at any shape, from their compiled costs."""
+    """Per-call seconds of the engine's programs at any shape, from their compiled costs.
+
+    A call without token tiles is its compiled program rescaled to the call's shape by the
+    analytic model of its work. With token tiles (`Schedule.tiled`) every layer runs a
+    loop over the live tiles whose trip count is the data's, so the compiled counts say
+    little; such a call is priced from the model alone: the FLOPs of the rows computed, the
+    weights read once per tile (each tile's dots read the layer's weights again: a decode
+    tile of 4 rows reads them as a whole row-batch did) plus each row's keys, per device of
+    the engine's mesh; its collectives (a tile's activations) are left out."""
 
     def __init__(self, programs: dict[str, ProgramCost], cfg, rates: Rates, schedule: Schedule, decode_rows: int,
-                 extend_rows: dict[int, int]):
+                 extend_rows: dict[int, int], engine_devices: int = 1):
         self.cfg, self.rates, self.schedule = cfg, rates, schedule
         self.decode_cost = programs["engine decode"]
-        self.extends = {int(name.rsplit("_", 1)[1]): cost for name, cost in programs.items()
-                        if name.startswith("engine extend_")}
-        self.decode_rows, self.extend_rows = decode_rows, extend_rows
+        self.extends: dict[int, tuple[ProgramCost, int]] = {}  # width: (cost, rows compiled, all shards)
+        for name, cost in programs.items():
+            if name.startswith("engine extend_"):
+                shape = name.rsplit("_", 1)[1]
+                if "x" in shape:  # packed: extend_{tile}x{rows per shard}
+                    width, per_shard = map(int, shape.split("x"))
+                    self.extends[width] = (cost, per_shard * schedule.shards)
+                else:
+                    self.extends[int(shape)] = (cost, extend_rows.get(int(shape), 0))
+        self.decode_rows = decode_rows
         self.compiled_dense = schedule.dense(schedule.max_context)
         itemsize = np.dtype(cfg.compute_dtype).itemsize
         self.kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         self.weights = cfg.num_params() * itemsize
+        self.devices = max(engine_devices, 1)
+        # the weights one device reads per pass: the engine's params as its programs take them
+        self.device_weights = sum(b for k, b in self.decode_cost.resident_args.items() if k.startswith("params")) \
+            or self.weights / self.devices
 
-    def _work(self, rows: int, new: int, keys: int, steps: int, head: bool) -> tuple[float, float]:
+    def _work(self, rows: int, new: int, keys: int, steps: int, head: bool, gather: bool) -> tuple[float, float]:
         """(FLOPs, bytes) of `steps` passes of `rows` rows of `new` tokens over `keys` positions."""
         flops = forward_flops(self.cfg, rows, new, keys) - (0 if head else 2.0 * head_params(self.cfg) * rows * new)
         bytes_ = self.weights + rows * keys * self.kv_token
-        gather = 2.0 * rows * keys * self.kv_token  # the cache gathered in and scattered back, once per call
-        return steps * flops, steps * bytes_ + gather
+        # the dense decode gathers the cache in and scatters it back, once per call
+        copy = 2.0 * rows * keys * self.kv_token if gather else 0.0
+        return steps * flops, steps * bytes_ + copy
+
+    def _compiled_keys(self, cost: ProgramCost, trips: int, extend: bool) -> int:
+        """The key positions a row's attention reads in the compiled counts: the pure-JAX
+        in-place attention's block loop has no trip count in the HLO (counted `trips` times,
+        the program's unknown_trips, one block each: every extend off TPU, the "paged"
+        decode); the dense gather and the Pallas kernel's cost are at the pool's full length."""
+        if cost.attention == "paged" or (extend and cost.attention == "reference"):
+            return min(BLOCK_TOKENS * trips, self.schedule.max_context)
+        return self.compiled_dense
 
     def _scaled(self, cost: ProgramCost, now: tuple[float, float], then: tuple[float, float], rows: float) -> float:
         f, b = cost.flops * now[0] / then[0], cost.bytes_accessed * now[1] / then[1]
         return self.rates.seconds(f, b, moved_bytes(cost) * rows, temporaries(cost) * now[1] / then[1])
 
-    def decode(self, rows: int, dense: int, steps: int) -> float:
-        chunk = self.schedule.decode_chunk
-        now = self._work(rows, 1, dense, steps, True)
-        then = self._work(self.decode_rows, 1, self.compiled_dense, chunk, True)
+    def _tiled(self, cost: ProgramCost, computed: int, new: int, keys: int, passes: float, head: bool,
+               allocated: float) -> float:
+        """A token-tiled call: `computed` rows of `new` tokens over `keys` each, the weights
+        read `passes` times; `allocated`: its temporaries' share of the compiled call's."""
+        flops = forward_flops(self.cfg, computed, new, keys) - (0 if head else 2.0 * head_params(self.cfg) * computed
+                                                                 * new)
+        bytes_ = passes * self.device_weights + computed * keys * self.kv_token / self.devices
+        return self.rates.seconds(flops / self.devices, bytes_, 0.0, temporaries(cost) * allocated)
+
+    def decode(self, rows: int, dense: int, steps: int, computed: int | None = None) -> float:
+        chunk, gather = self.schedule.decode_chunk, self.schedule.dense_buckets
+        if self.schedule.tiled:
+            passes = (computed or 0) / (self.schedule.shards * self.schedule.decode_tile)
+            return self._tiled(self.decode_cost, computed or 0, 1, dense, passes, True, rows / self.decode_rows)
+        now = self._work(rows, 1, dense, steps, True, gather)
+        then = self._work(self.decode_rows, 1, self._compiled_keys(self.decode_cost, chunk, False), chunk, True, gather)
         return self._scaled(self.decode_cost, now, then, rows * steps / (self.decode_rows * chunk))
 
-    def extend(self, rows: int, width: int, dense: int) -> float:
+    def extend(self, rows: int, width: int, dense: int, computed: int | None = None) -> float:
         compiled = min((w for w in self.extends if w >= width), default=max(self.extends))
-        r0 = self.extend_rows.get(compiled, rows)
-        now = self._work(rows, width, dense, 1, False)
-        then = self._work(r0, compiled, self.compiled_dense, 1, False)
-        return self._scaled(self.extends[compiled], now, then, rows * width / (r0 * compiled))
+        cost, r0 = self.extends[compiled]
+        r0 = r0 or rows
+        if self.schedule.tiled:
+            passes = (computed or 0) / self.schedule.shards
+            return self._tiled(cost, computed or 0, width, dense, passes, False, rows / r0)
+        now = self._work(rows, width, dense, 1, False, False)
+        then = self._work(r0, compiled, self._compiled_keys(cost, 1, True), 1, False, False)
+        return self._scaled(cost, now, then, rows * width / (r0 * compiled))
 
     def times(self) -> CallTimes:
         return CallTimes(self.decode, self.extend)
 
 
 def extend_program_rows(schedule: Schedule, compiled_rows: int) -> dict[int, int]:
-    """Rows the plan compiled each extend width at (`engine.programs.abstract_programs`)."""
+    """Rows the plan compiled each fixed-row extend width at (`engine.programs.abstract_programs`
+    with extend_tile=None)."""
     from muajax.engine import batching
 
     top = (compiled_rows // schedule.shards)
@@ -242,7 +291,8 @@ def predict_step(plan, profile: RolloutProfile, rates: Rates, settings: StepSett
     programs = {p.name: p for p in plan.programs if p.error is None}
     sched = settings.schedule
     rows = decode_rows or compiled_engine_rows(plan, settings)
-    engine = _EngineModel(programs, plan.cfg, rates, sched, rows, extend_program_rows(sched, rows))
+    engine = _EngineModel(programs, plan.cfg, rates, sched, rows, extend_program_rows(sched, rows),
+                          engine_devices=plan.devices // max(settings.hosts, 1))
     rng = np.random.default_rng(seed)
     runs, updates = [], []
     for _ in range(samples):
@@ -257,6 +307,11 @@ def predict_step(plan, profile: RolloutProfile, rates: Rates, settings: StepSett
 
 def _mean(xs) -> float:
     return float(np.mean(list(xs)))
+
+
+def _ratio(runs, computed: str, real: str) -> float:
+    tokens = sum(getattr(r, real) for r in runs)
+    return sum(getattr(r, computed) for r in runs) / tokens if tokens else 0.0
 
 
 def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
@@ -274,7 +329,10 @@ def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
                     "decode_calls": _mean(r.decode_calls for r in runs),
                     "extend_calls": _mean(r.extend_calls for r in runs), "sampled_tokens": sampled,
                     "sequence_tokens": _mean(_mean(r.lengths) for r in runs),
-                    "longest_row": _mean(max(r.lengths) for r in runs)},
+                    "longest_row": _mean(max(r.lengths) for r in runs), "layout": settings.schedule.layout,
+                    # positions the layers computed over the real tokens (the engine's stats' ratios)
+                    "extend_computed_over_real": _ratio(runs, "extend_positions", "extend_tokens"),
+                    "decode_computed_over_real": _ratio(runs, "decode_positions", "sampled_tokens")},
         "update": {"calls": updates[0]["calls"], "per_call_s": _mean(u["per_call_s"] for u in updates),
                    "recompute_s": _mean(u["recompute_s"] for u in updates),
                    "length": _mean(u["length"] for u in updates), "useful_flops": useful},
@@ -292,6 +350,8 @@ def summary_lines(prediction: dict) -> list[str]:
             f"  rollout: {r['engine_steps']:.0f} engine steps, {r['decode_calls']:.0f} decode calls "
             f"({r['decode_s']:.2f} s), {r['extend_calls']:.0f} extend calls ({r['extend_s']:.2f} s), waiting "
             f"{r['wait_s']:.2f} s; {r['sampled_tokens']:.0f} sampled tokens, longest row {r['longest_row']:.0f}",
+            f"  {r['layout']} calls: computed over real tokens, extends {r['extend_computed_over_real']:.2f}, "
+            f"decode {r['decode_computed_over_real']:.2f}",
             f"  update: {u['calls']} call(s) of {u['per_call_s']:.3f} s at length {u['length']:.0f}"
             + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),
             f"  {p['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip; update MFU {p['update_mfu']:.1%} "

@@ -29,7 +29,11 @@ def test_the_engine_compiles_for_one_v6e_host_of_a_v6e_16():
                           model_abstract_params(TINY), param_shardings(TINY, mesh))
     programs, state, copy_bytes = engine_programs(TINY, mesh, params,
                                                   EngineSettings(num_slots=16, max_len=128, widths=(32,)))
-    assert copy_bytes > 0 and [p.name for p in programs] == ["engine decode", "engine extend_32"]
+    # packed extends (the trainer's default): one program, at the most rows of 16 tokens a call holds
+    assert copy_bytes > 0 and [p.name for p in programs] == ["engine decode", "engine extend_16x512"]
+    fixed, _, _ = engine_programs(TINY, mesh, params, EngineSettings(num_slots=16, max_len=128, widths=(32,),
+                                                                     call_rows=16, deterministic=False))
+    assert [p.name for p in fixed] == ["engine decode", "engine extend_32"]  # rollout.call_layout fixed_rows
     (pool,) = state  # 4 hosts: each holds a quarter of the slots' pool, on a 4-chip mesh
     assert "per host" in pool and "mesh 1x1x4x1" in pool
     for program in programs:

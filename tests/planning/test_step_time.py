@@ -66,7 +66,7 @@ def test_a_call_is_dispatch_plus_the_roofline_max_or_on_a_cpu_the_sum():
 def test_doubling_the_turns_doubles_the_decode_calls_and_time():
     schedule = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=100,
                         decode_chunk=16, dense_buckets=False)
-    times = CallTimes(decode=lambda rows, dense, steps: 0.5, extend=lambda rows, width, dense: 0.0)
+    times = CallTimes(decode=lambda rows, keys, steps, computed: 0.5, extend=lambda rows, width, keys, computed: 0.0)
 
     def decode_s(turns):
         convs = [Conversation(50, [32] * turns, [10] * (turns - 1), [0.0] * (turns - 1)) for _ in range(4)]
@@ -82,7 +82,7 @@ def test_a_reply_joins_the_step_after_next_while_others_decode_and_latency_overl
     schedule = Schedule(conversations=2, num_slots=2, max_context=4096, max_new_tokens=256, max_turns=100,
                         decode_chunk=16, dense_buckets=False)
     rows = []
-    times = CallTimes(decode=lambda r, dense, steps: rows.append(r) or 1.0, extend=lambda r, width, dense: 0.0)
+    times = CallTimes(decode=lambda r, keys, steps, computed: rows.append(r) or 1.0, extend=lambda *call: 0.0)
     short = Conversation(10, [16, 16], [5], [0.0])  # one chunk per turn
     long = Conversation(10, [160], [], [])            # ten chunks
     run = simulate([short, long], schedule, times)
@@ -97,22 +97,54 @@ def test_a_reply_joins_the_step_after_next_while_others_decode_and_latency_overl
     assert both.wait_s == 0.0 and both.seconds == pytest.approx(10.0) and rows[:5] == [2, 1, 1, 1, 2]
 
 
-def test_extends_group_by_width_fixed_rows_each_at_its_own_width():
+def test_fixed_rows_extend_each_conversation_at_its_own_width_every_slot_computed():
     fixed = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=10, call_rows=4,
                      widths=(32, 128, 512), max_extend_tokens=1024)
     calls = extend_calls([(0, 20), (0, 100), (0, 30)], fixed)
-    assert [(rows, width) for rows, width, _ in calls] == [(4, 32), (4, 128)]
-    bucketed = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=10,
-                        widths=(32, 128, 512), max_extend_tokens=1024)
-    calls = extend_calls([(0, 20), (0, 100), (0, 30)], bucketed)
-    assert [(rows, width) for rows, width, _ in calls] == [(4, 128)]  # 3 rows bucketed to 4, the widest's width
-    # a prompt wider than the widest width: in chunks, each gathering the power-of-two pages it reaches
-    assert extend_calls([(0, 1100)], bucketed) == [(1, 512, 512), (1, 512, 1024), (1, 128, 2048)]
+    assert calls == [(4, 32, 30, 4), (4, 128, 100, 4)]  # (rows, width, keys, rows computed)
+    # a prompt wider than the widest width: in chunks of it, each over the keys it reaches (no dense bucket)
+    assert extend_calls([(0, 1100)], fixed) == [(2, 512, 512, 2), (2, 512, 1024, 2), (4, 128, 1100, 4)]
+
+
+def test_packed_extends_cut_every_waiting_token_into_tiles_and_token_tiles_compute_the_live_ones():
+    shape = dict(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=10,
+                 max_extend_tokens=1024)
+    todo = [(0, 20), (0, 100), (0, 30)]  # 2 + 7 + 2 = 11 tiles of 16, in one call of 16 rows
+    packed = extend_calls(todo, Schedule(**shape))
+    assert packed == [(16, 16, 100, 16)]  # whole-call dots: every row, each over the longest row's keys
+    tiled = extend_calls(todo, Schedule(**shape, tiled=True))
+    reach = [16, 20, 16, 32, 48, 64, 80, 96, 100, 16, 30]
+    assert tiled == [(16, 16, -(-sum(reach) // 11), 11)]  # the live rows, each over its own keys
+    # 1100 tokens are 69 tiles: a call of every row a call holds (64), then 5 in a bucket of 8
+    assert [(c.rows, c.computed) for c in extend_calls([(0, 1100)], Schedule(**shape, tiled=True))] == [(64, 64),
+                                                                                                        (8, 5)]
+    # a lone 50-token turn: 4 rows of 16 computed, where fixed rows of 4 compute 4 x 64
+    assert extend_calls([(500, 50)], Schedule(**shape, tiled=True))[0].computed * 16 == 64
+    fixed = extend_calls([(500, 50)], Schedule(**shape, call_rows=4))
+    assert fixed[0].computed * fixed[0].width == 4 * 128
+
+
+def test_a_tiled_decode_computes_the_live_tiles_of_each_step():
+    from muajax.planning.rollout_schedule import decode_row_steps
+
+    tiled = Schedule(conversations=8, num_slots=8, max_context=4096, max_new_tokens=64, max_turns=10, tiled=True)
+    # 5 rows: 3 run 16 steps, 2 stop after 4; tiles of 4 rows: 8 rows for 4 steps, then 4 for 12
+    assert decode_row_steps([16, 16, 16, 4, 4], 8, tiled, 16) == 4 * 8 + 12 * 4
+    untiled = Schedule(conversations=8, num_slots=8, max_context=4096, max_new_tokens=64, max_turns=10)
+    assert decode_row_steps([16, 16, 16, 4, 4], 8, untiled, 16) == 8 * 16
+    assert tiled.row_buckets == (4, 8)  # rows per decode call: whole tiles (batching.decode_buckets)
+    seen = []
+    times = CallTimes(decode=lambda rows, keys, steps, computed: seen.append((rows, steps, computed)) or 0.1,
+                      extend=lambda *call: 0.0)
+    run = simulate([Conversation(10, [40], [], []) for _ in range(5)], tiled, times)
+    assert seen[0] == (8, 16, 8 * 16) and run.decode_positions == sum(c for _, _, c in seen)
+    assert run.decode_positions / run.sampled_tokens == pytest.approx(8 / 5)
 
 
 def test_predict_step_prices_the_compiled_shapes_and_scales_the_turns():
     plan = _plan()
-    settings = step_settings(plan, _rollout())
+    settings = step_settings(plan, _rollout(call_layout="fixed_rows"))
+    assert settings.schedule.call_rows == 8 and not settings.schedule.tiled
     short = predict_step(plan, _profile(4.0), RATES, settings, samples=2)
     long = predict_step(plan, _profile(8.0), RATES, settings, samples=2)
     assert long["rollout"]["decode_calls"] == pytest.approx(2 * short["rollout"]["decode_calls"], rel=0.1)
@@ -210,3 +242,26 @@ def test_the_engine_s_shards_follow_the_mesh_it_decodes_on():
     assert engine_shards(tpu, _rollout(mesh=RolloutMeshConfig(data=1, fsdp=-1, tensor=1)), hosts=2) == 8
     s = step_settings(tpu, _rollout(), hosts=2)
     assert s.schedule.conversations == 4 and s.schedule.shards == 4 and s.schedule.page_size == 128
+
+
+def test_a_token_tiled_call_reads_the_weights_once_per_live_tile_and_the_plan_reports_computed_over_real():
+    from muajax.planning.step_time import _EngineModel, extend_program_rows
+
+    plan = _plan()
+    settings = step_settings(plan, _rollout())  # the default: packed calls, token tiles
+    assert settings.schedule.tiled and settings.schedule.call_rows is None
+    programs = {p.name: p for p in plan.programs}
+    engine = _EngineModel(programs, plan.cfg, RATES, settings.schedule, 8, extend_program_rows(settings.schedule, 8))
+    weights = engine.weights  # one device: the whole model a pass
+    one, two = (engine.extend(16, 16, 16, n) - RATES.dispatch_s for n in (1, 2))
+    assert one >= weights / RATES.mem_bytes_per_s and two == pytest.approx(2 * one, rel=0.01)
+    # a decode call costs its live tiles' row-steps: half the tiles, about half the time
+    full, half = (engine.decode(8, 256, 16, n) - RATES.dispatch_s for n in (8 * 16, 4 * 16))
+    assert half == pytest.approx(full / 2, rel=0.05)
+    profile = _profile(4.0, user_turn_tokens=Distribution(50.0), tool_result_tokens=Distribution(300.0))
+    packed = predict_step(plan, profile, RATES, settings, samples=2)
+    fixed = predict_step(plan, profile, RATES, step_settings(plan, _rollout(call_layout="fixed_rows")), samples=2)
+    p, f = packed["rollout"], fixed["rollout"]
+    assert (p["layout"], f["layout"]) == ("packed, token tiles", "fixed_rows")
+    assert 1.0 <= p["extend_computed_over_real"] < 1.2 < 2 < f["extend_computed_over_real"]
+    assert 1.0 <= p["decode_computed_over_real"] <= f["decode_computed_over_real"]
