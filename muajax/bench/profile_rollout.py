@@ -14,8 +14,8 @@ one) times `--latency-scale`, waited in real time. A waiting conversation costs 
 the loop steps the engine over whoever is generating and sleeps only when nobody is.
 
 The same conversations, token ids and sampling seeds run through each engine mode of
-`MODES`, in one process: `fixed` (every call has one row per conversation: today's
-`rollout.deterministic: true`) and `packed` (the deterministic packed mode). Per mode:
+`MODES`, in one process: `fixed` (every call has one row per conversation:
+`rollout.call_layout: fixed_rows`) and `packed` (the deterministic packed mode, the default). Per mode:
 positions the layers computed over real tokens, for extends (`extend_positions /
 extend_tokens`) and decode (`decode_positions / decode_tokens`), the busy share (engine
 device time / wall), wall seconds and calls; then the packed figures over the fixed ones.
@@ -41,14 +41,8 @@ def _fixed(rows_per_shard: int) -> dict:
 
 
 def _packed(rows_per_shard: int) -> dict:
-    """Packed calls, deterministic where the engine has token tiles (`deterministic=True`);
-    an engine without them buckets each call to its rows (not deterministic)."""
-    import inspect
-
-    from muajax.engine.engine import Engine
-
-    tiles = "deterministic" in inspect.signature(Engine).parameters
-    return {"batch_rows": None, **({"deterministic": True} if tiles else {})}
+    """Packed calls with token tiles: deterministic, today's `rollout.deterministic: true`."""
+    return {"batch_rows": None, "deterministic": True}
 
 
 # Engine kwargs per mode, from the conversations per shard; `fixed` first: it is the reference.

@@ -380,7 +380,7 @@ class Engine:
             self.pool = kv_cache.allocate(self.spec.pool)
         args = batching.to_device(row_arrays, self.spec.pool)
         if program is self._programs.decode:
-            dense_pages = dense_pages if self.attention == "reference" else None
+            dense_pages = dense_pages if self.attention == "reference" and not self.deterministic else None
             self.pool, out = program(self.params, self.pool, self._layer_views(), *args, self._stop_ids,
                                      dense_pages=dense_pages)
         else:
