@@ -161,7 +161,9 @@ def parse_module(text: str) -> HloModule:
             pending = line
             continue
         pending = ""
-        if line.strip() == "}":
+        # a computation ends at "}", or at "}, execution_thread=..." (v5p's SparseCore
+        # computations, e.g. the scatter-adds of packed GRPO rows' per-segment sums)
+        if line.strip() == "}" or line.startswith("}, "):
             computations[current.name] = current
             current = None
             continue

@@ -96,3 +96,22 @@ def test_shapes_and_instructions():
     assert hlo.parse_instruction("  %c = s32[] constant(7)").args == "7"
     with pytest.raises(ValueError, match="ENTRY"):
         hlo.parse_module("HloModule empty")
+
+
+def test_a_sparsecore_computation_ends_at_its_execution_thread_brace():
+    # v5p lowers packed GRPO rows' scatter-adds to SparseCore computations, closed by
+    # `}, execution_thread="sparsecore"` rather than a bare `}`
+    text = """HloModule m
+
+%region_0 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}, execution_thread="sparsecore"
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  ROOT %p = f32[4] parameter(0)
+}
+"""
+    module = hlo.parse_module(text)
+    assert module.entry == "main" and set(module.computations) == {"region_0", "main"}
