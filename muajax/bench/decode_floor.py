@@ -65,18 +65,24 @@ def stream_step(weights: list[np.ndarray], threads: int):
     return step
 
 
-def xla_step(weights: list[np.ndarray], batch: int):
-    """The same products in one jitted XLA program, shaped as the engine's step runs them.
+def xla_step(weights: list[np.ndarray], batch: int, steps: int = 1, calls: int = 1):
+    """The same products in jitted XLA, shaped as the engine's decode runs them; returns a
+    callable that runs `calls` programs of `steps` decode steps each (divide by calls * steps).
 
-    Each layer's q, k and v read the layer's input, o reads the attention's width (q stands
-    in for the attention output), gate and up read the residual, down reads their product,
-    and the LM head reads the last residual: one product's output feeds the next, as in
-    the step, so no two products can overlap on the thread pool where the engine's cannot.
-    Every product is a plain dot (`optimization_barrier` keeps any consumer out of its
-    fusion), so XLA hands it to the kernel library it gives the engine's dots (YNNPACK on
-    CPU in jax 0.10). The floor before this summed each product into a scalar: XLA fused
-    each dot with its reduction into one loop it generates itself, a different kernel whose
-    speed against the library's depends on the box's vector ISA (docs/performance.md)."""
+    Within a step, each layer's q, k and v read the layer's input, o reads the attention's
+    width (q stands in for the attention output), gate and up read the residual, down reads
+    their product, and the LM head reads the last residual: one product's output feeds the
+    next, as in the step, so no two products overlap on the thread pool where the engine's
+    cannot. Every product is a plain dot (`optimization_barrier` keeps any consumer out of
+    its fusion), so XLA hands it to the kernel library it gives the engine's dots (YNNPACK
+    on CPU in jax 0.10). Steps run in a loop inside the program, each fed the last one's
+    (normalised) residual, and programs are called one after another, blocking between,
+    as the engine runs `decode_chunk` steps a call: a floor timed over one short step
+    saw less of the box's load than the engine's decode timed over all of its steps.
+
+    The floor before this summed each product of one step into a scalar: XLA fused each dot
+    with its sum into one loop it generates itself, a different kernel from the engine's,
+    whose speed against the library's depends on the box (docs/performance.md)."""
     import jax
     import jax.numpy as jnp
 
@@ -84,39 +90,60 @@ def xla_step(weights: list[np.ndarray], batch: int):
     width = len(_PROJECTIONS)
     if (len(mats) - 1) % width:
         raise common.BenchError(f"expected {width} projections per layer and a head, got {len(mats)} matrices")
-    x0 = jnp.ones((batch, weights[0].shape[0]), jnp.float32)
     barrier = jax.lax.optimization_barrier
 
-    @jax.jit
-    def step(mats, x):
+    def one_step(mats, x):
         h, side = x, []
         for i in range(0, len(mats) - 1, width):
             wq, wk, wv, wo, wg, wu, wd = mats[i:i + width]
             q, k, v = (barrier(h @ w) for w in (wq, wk, wv))
-            side += [k, v]  # the cache's new entries: outputs, so that they are computed
+            side += [k, v]  # the cache's new entries: carried, so that they are computed
             h = h + barrier(q @ wo)
             gate, up = (barrier(h @ w) for w in (wg, wu))
             h = h + barrier((gate * up) @ wd)
-        return barrier(h @ mats[-1]), side
+        return h, barrier(h @ mats[-1]), side
 
-    return lambda: step(mats, x0)
+    @jax.jit
+    def program(mats, x):
+        def body(_, carry):
+            h, logits, side = one_step(mats, carry[0])
+            return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6), logits, side
+
+        init = jax.eval_shape(lambda x: one_step(mats, x), x)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), init)
+        return jax.lax.fori_loop(0, steps, body, (x, zeros[1], zeros[2]))
+
+    x0 = jnp.ones((batch, weights[0].shape[0]), jnp.float32)
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = common.block(program(mats, x0))
+        return out
+
+    run.program, run.args = program, (mats, x0)  # for inspecting what XLA made of it
+    return run
 
 
 WARMUP = 2
 
 
-def measure(hf_model, batch: int, hf_step_ms: float, muajax_step_ms: float, *, torch_threads=(1,),
-            repeat: int = 20, muajax_decode=None) -> dict:
-    """Both floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary.
+def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: float, *, torch_threads=(1,),
+            repeat: int = 20, muajax_decode=None, steps: int = 1, calls: int = 1) -> dict:
+    """The floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary.
+    The XLA floor runs `calls` programs of `steps` steps a round (the engine's decode chunks).
+    `hf_step_ms` None (no transformers run): the XLA floor alone, no torch ones.
 
     `muajax_decode`, optional: runs one muajax generation and returns its decode ms/step. It
     then takes its turn in every round beside the floors, and muajax's ratio to the XLA floor
     is of the two medians measured together: the box's speed drifts by tens of percent
     between runs, and a floor timed after muajax's rounds carried that drift into the ratio."""
     weights = _weights(hf_model)
-    candidates = {f"torch_{n}": torch_step(weights, batch, n) for n in sorted(set(torch_threads))}
-    candidates["xla"] = xla_step(weights, batch)
-    candidates["stream"] = stream_step(weights, max(torch_threads))
+    candidates = {}
+    if hf_step_ms is not None:
+        candidates = {f"torch_{n}": torch_step(weights, batch, n) for n in sorted(set(torch_threads))}
+        candidates["stream"] = stream_step(weights, max(torch_threads))
+    candidates["xla"] = xla_step(weights, batch, steps, calls)
     decode_ms: list[float] = []
     if muajax_decode is not None:
         candidates["muajax"] = lambda: decode_ms.append(muajax_decode())
@@ -125,20 +152,29 @@ def measure(hf_model, batch: int, hf_step_ms: float, muajax_step_ms: float, *, t
     if muajax_decode is not None:
         seconds.pop("muajax")
         muajax_step_ms = common.median(decode_ms[WARMUP:])  # the timed rounds, after the warm-up calls
-    xla_ms, stream_ms = seconds.pop("xla"), seconds.pop("stream")
+    xla_ms = seconds.pop("xla") / (steps * calls)
+    out = {"xla_matmul_ms": xla_ms, "xla_floor_steps": steps * calls,
+           "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, xla_ms),
+           "muajax_decode_ms": muajax_step_ms, "muajax_interleaved": muajax_decode is not None}
+    common.log(f"decode floor (the step's matmuls alone, batch {batch}, {steps * calls} steps): XLA {xla_ms:.2f} ms; "
+               f"muajax's step {muajax_step_ms:.2f} ms is x{out['muajax_step_over_xla_floor']:.2f} its XLA floor"
+               + (" (timed in the same rounds)" if muajax_decode is not None else ""))
+    if hf_step_ms is not None:
+        out.update(_torch_figures(seconds, xla_ms, hf_step_ms))
+    return out
+
+
+def _torch_figures(seconds: dict, xla_ms: float, hf_step_ms: float) -> dict:
+    """torch's floor and the weight stream against transformers' step (`seconds`: medians, ms)."""
+    stream_ms = seconds.pop("stream")
     torch_ms = min(seconds.values())
     floor = min(torch_ms, xla_ms)
-    out = {"torch_matmul_ms": torch_ms, "xla_matmul_ms": xla_ms, "weight_stream_ms": stream_ms,
+    out = {"torch_matmul_ms": torch_ms, "weight_stream_ms": stream_ms,
            "transformers_overhead_share": 1.0 - torch_ms / hf_step_ms,
-           "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, xla_ms),
-           "muajax_decode_ms": muajax_step_ms, "muajax_interleaved": muajax_decode is not None,
            "decode_ratio_ceiling": common.ratio(hf_step_ms, floor),
            "decode_ratio_bandwidth_ceiling": common.ratio(hf_step_ms, stream_ms)}
-    common.log(f"decode floor (one step's matmuls alone, batch {batch}): torch {torch_ms:.2f} ms, XLA {xla_ms:.2f} ms; "
-               f"reading every weight once {stream_ms:.2f} ms")
-    common.log(f"transformers' step {hf_step_ms:.2f} ms is {100 * out['transformers_overhead_share']:.0f}% overhead; "
-               f"muajax's {muajax_step_ms:.2f} ms is x{out['muajax_step_over_xla_floor']:.2f} its XLA floor"
-               + (" (timed in the same rounds)" if muajax_decode is not None else ""))
+    common.log(f"torch floor {torch_ms:.2f} ms; reading every weight once {stream_ms:.2f} ms; transformers' step "
+               f"{hf_step_ms:.2f} ms is {100 * out['transformers_overhead_share']:.0f}% overhead")
     common.log(f"an engine on these matmul libraries can beat transformers' decode by at most "
                f"x{out['decode_ratio_ceiling']:.2f} here; a kernel at memory speed by x{out['decode_ratio_bandwidth_ceiling']:.2f}")
     return out

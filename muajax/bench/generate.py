@@ -77,7 +77,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="also time transformers with this many torch threads (0: don't). On a loaded "
                         "machine torch's all-core run can be many times slower than a 1-thread one, "
                         "which would flatter the ratio; the *_vs_best_torch figures use the faster one")
-    p.add_argument("--no-hf", action="store_true", help="time muajax only (profiling)")
+    p.add_argument("--no-hf", action="store_true", help="no transformers run (the XLA floor is still timed)")
+    p.add_argument("--no-floor", action="store_true", help="skip the decode floor's rounds")
     p.add_argument("--tunix-python", default=os.environ.get("MUAJAX_TUNIX_PYTHON"),
                    help="a python with google-tunix: also time tunix's Sampler (default $MUAJAX_TUNIX_PYTHON)")
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
@@ -256,9 +257,13 @@ def run(argv: list[str]) -> dict:
     common.log(_line(f"muajax (max_len {max_len})", mj) + f"  (compile {compile_s:.2f}s, excluded)")
     if "muajax_base" in figures:
         _report_base(args, result, figures, outputs["muajax_base"], mj_tokens, max_len)
+    muajax_once = lambda: muajax_generate_once(engine, prompts, args.new)[0]  # noqa: E731
     if threads:
-        _report_transformers(args, result, figures, threads, outputs["transformers"], mj_tokens,
-                             hf_model, lambda: muajax_generate_once(engine, prompts, args.new)[0])
+        _report_transformers(args, result, figures, threads, outputs["transformers"], mj_tokens)
+    if not args.no_floor:
+        result["floor"] = _floor(args, hf_model, figures["transformers"]["decode_ms_per_step"] if threads else None,
+                                 muajax_once, threads.values())
+        setup_threads(args.threads)
     if args.tunix_python:
         _report_tunix(args, result, hf_model, prompts, mj_tokens)
     result["machine"] = common.machine_info()
@@ -312,8 +317,8 @@ def _report_base(args, result: dict, figures: dict, base_tokens: np.ndarray, mj_
 
 
 def _report_transformers(args, result: dict, figures: dict, threads: dict, hf_tokens: np.ndarray,
-                         mj_tokens: np.ndarray, hf_model, muajax_once) -> None:
-    """muajax against transformers (at each thread count), and both against the decode floor."""
+                         mj_tokens: np.ndarray) -> None:
+    """muajax against transformers (at each thread count)."""
     mj = figures["muajax"]
     for name, n in threads.items():
         figures[name]["torch_threads"] = n
@@ -334,11 +339,15 @@ def _report_transformers(args, result: dict, figures: dict, threads: dict, hf_to
                    f"decode x{result['decode_ratio_vs_best_torch']:.2f}  e2e x{result['e2e_ratio_vs_best_torch']:.2f}")
     common.log(f"greedy tokens agree with transformers for the first {result['greedy_agree_prefix']:.1f}/{args.new} "
                "on average (same weights)")
-    result["floor"] = decode_floor.measure(
-        hf_model, args.batch, hf["decode_ms_per_step"], mj["decode_ms_per_step"],
-        torch_threads=threads.values(), repeat=max(5, 5 * args.repeat),
-        muajax_decode=lambda: summarize([muajax_once()], args.batch)["decode_ms_per_step"])
     setup_threads(args.threads)
+
+
+def _floor(args, hf_model, hf_step_ms, muajax_once, torch_threads) -> dict:
+    """The decode floor, muajax's decode timed in its rounds (`hf_step_ms` None: no torch floors)."""
+    return decode_floor.measure(
+        hf_model, args.batch, hf_step_ms, None, torch_threads=torch_threads or (1,), repeat=max(5, 5 * args.repeat),
+        muajax_decode=lambda: summarize([muajax_once()], args.batch)["decode_ms_per_step"],
+        steps=args.decode_chunk, calls=-(-args.new // args.decode_chunk))
 
 
 def _report_tunix(args, result: dict, hf_model, prompts: np.ndarray, mj_tokens: np.ndarray) -> None:

@@ -60,6 +60,22 @@ def test_generate_quick():
     assert "decode floor" in stdout and "timed in the same rounds" in stdout
 
 
+def test_generate_times_the_floor_without_transformers():
+    """The floor ratio needs no transformers run: `--no-hf` still times the XLA floor, over the
+    engine's own decode steps (its chunks), in the rounds muajax's decode takes its turn in."""
+    result, stdout = run_bench("generate", "--no-hf")
+    floor, config = result["floor"], result["config"]
+    assert floor["muajax_interleaved"] is True and positive(floor["xla_matmul_ms"])
+    assert floor["xla_floor_steps"] == -(-config["new"] // config["decode_chunk"]) * config["decode_chunk"]
+    assert math.isclose(floor["muajax_step_over_xla_floor"], floor["muajax_decode_ms"] / floor["xla_matmul_ms"],
+                        rel_tol=1e-6)
+    assert "torch_matmul_ms" not in floor and "transformers" not in result
+    machine = result["machine"]  # the box's facts, to compare figures from two boxes
+    assert machine["isa_cap"] is None and machine["usable_cpus"] >= 1
+    if os.path.exists("/proc/cpuinfo"):
+        assert machine["isa"] and machine["cpu_model"]
+
+
 def test_multiturn_quick():
     result, stdout = run_bench("multiturn")
     turns = result["config"]["turns"]
@@ -75,7 +91,7 @@ def test_multiturn_quick():
 
 
 def test_generate_max_len_compares_with_a_short_max_len():
-    result, stdout = run_bench("generate", "--no-hf", "--max-len", "2048")
+    result, stdout = run_bench("generate", "--no-hf", "--no-floor", "--max-len", "2048")
     base = result["muajax_base"]
     assert result["config"]["max_len"] == 2048 and base["max_len"] == 512
     assert positive(base["decode_ms_per_step"]) and positive(result["muajax"]["decode_ms_per_step"])
