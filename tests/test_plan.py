@@ -67,7 +67,7 @@ def test_plan_on_a_v5p_slice():
     step = out["programs"]["grpo step"]
     assert step["flops"] > 0 and step["roofline"]["estimate_s"] > 0 and step["collective_bytes"]["all-gather"] > 0
     # the engine's packed extend (the trainer's default layout): rows of 16 tokens, as many as a call holds
-    assert set(out["programs"]) == {"engine decode", "engine extend_16x512", "grpo step"}
+    assert set(out["programs"]) == {"engine decode", "engine extend_128x64", "grpo step"}
     assert "phase update" in proc.stdout and "fits: true" in proc.stdout
 
 

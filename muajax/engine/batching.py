@@ -38,6 +38,20 @@ from muajax.engine.pages import PagedSeq, PageTables
 MIN_DENSE_TOKENS = 256
 
 
+# Packed extends cut waiting tokens into rows of `extend_tile`; deterministic decode steps run
+# `decode_tile` rows at a time (batching.py, muajax/models/token_tiles.py). Each tile reads
+# every weight again: on CPU, where the weights stay in cache, small tiles waste little; on an
+# accelerator a step is bound by reading the weights from HBM, so extend tiles are long and
+# a decode step is one tile of every slot (padded rows are nearly free there).
+TILES = {"cpu": (16, 4), "accelerator": (128, None)}  # None: every slot of a shard
+
+
+def default_tiles(platform: str, num_slots: int, shards: int) -> tuple[int, int]:
+    """(extend_tile, decode_tile) on `platform` ("cpu", "tpu", "gpu", ...; see TILES)."""
+    extend, decode = TILES["cpu" if platform == "cpu" else "accelerator"]
+    return extend, decode or -(-num_slots // shards)
+
+
 def buckets(limit: int, minimum: int = 1) -> tuple[int, ...]:
     return tuple(sorted({min(max(2**i, minimum), limit) for i in range(limit.bit_length() + 1)}))
 

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from muajax import parallel
 from muajax.engine import batching, kv_cache
 # re-exported: callers import them from here (see muajax/engine/__init__.py)
 from muajax.engine.generation import FINISH_REASONS, Generation, SamplingParams  # noqa: F401
@@ -51,12 +52,6 @@ from muajax.engine.programs import Programs, build_spec
 from muajax.engine.precompile import warm_programs
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
-
-
-# Packed extends cut waiting tokens into rows of EXTEND_TILE; deterministic decode steps run
-# DECODE_TILE rows at a time (see batching.py and muajax/models/token_tiles.py).
-EXTEND_TILE = 16
-DECODE_TILE = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,8 +67,8 @@ class Engine:
     """`num_slots`: conversations open at once; `max_len`: tokens per conversation;
     `kv_cache_tokens`: the pool (default `num_slots * max_len`: nothing is ever preempted);
     `page_size`: tokens per page (default 128 with the Pallas kernel, else 16);
-    `extend_tile`: tokens per row of a packed extend; `max_extend_tokens`: tokens of one
-    extend call per shard; `attention`: "auto" (Pallas on TPU, paged on GPU, else reference),
+    `extend_tile`: tokens per row of a packed extend (None: by backend, batching.TILES);
+    `max_extend_tokens`: tokens of one extend call per shard; `attention`: "auto" (Pallas on TPU, paged on GPU, else reference),
     "pallas", "paged" or "reference" (paged_attention.py); `deterministic`: token tiles,
     `decode_tile` rows per decode tile; `batch_rows`: fixed rows per shard in every call,
     extended at `extend_widths` (None: packed, bucketed to what is in the call)."""
@@ -83,11 +78,11 @@ class Engine:
                  extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_extend_tokens: int = 8192,
                  attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS, batch_rows: int | None = None,
-                 extend_tile: int = EXTEND_TILE, deterministic: bool = False, decode_tile: int = DECODE_TILE):
+                 extend_tile: int | None = None, deterministic: bool = False, decode_tile: int | None = None):
         if num_slots < 1 or max_len < 2 or decode_chunk < 1 or not extend_widths or min(extend_widths) < 1:
             raise ValueError(f"need num_slots >= 1, max_len >= 2, decode_chunk >= 1 and extend widths >= 1, got "
                              f"{num_slots}, {max_len}, {decode_chunk}, {tuple(extend_widths)}")
-        if (batch_rows is not None and batch_rows < 1) or extend_tile < 1 or decode_tile < 1:
+        if (batch_rows is not None and batch_rows < 1) or min(extend_tile or 1, decode_tile or 1) < 1:
             raise ValueError(f"batch_rows (or None), extend_tile and decode_tile must be >= 1, got {batch_rows}, "
                              f"{extend_tile}, {decode_tile}")
         if deterministic and batch_rows is not None:
@@ -97,6 +92,10 @@ class Engine:
         self.cfg, self.num_slots, self.max_len, self.mesh = cfg, num_slots, max_len, mesh
         self.stop_ids = np.asarray(sorted(set(stop_ids)), np.int32)
         self.decode_chunk, self.max_extend_tokens = decode_chunk, max_extend_tokens
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        shards = 1 if mesh is None else parallel.batch_divisor(mesh)
+        tiles = batching.default_tiles(platform, num_slots, shards)
+        extend_tile, decode_tile = extend_tile or tiles[0], decode_tile or tiles[1]
         self.spec = build_spec(cfg, mesh, num_slots=num_slots, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
                                page_size=page_size, decode_chunk=decode_chunk, attention=attention,
                                blocks=kernel_blocks, tiled=deterministic, decode_tile=decode_tile)

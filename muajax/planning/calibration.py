@@ -76,7 +76,7 @@ def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1,
                         call_rows=-(-rollout_slots // shards) if fixed else None,
                         min_batch_bucket=min(8, slots), shards=shards,
                         dense_buckets=attention == "reference" and not tiled, overlap_io=r.overlap_io, tiled=tiled,
-                        extend_tile=getattr(e, "extend_tile", 16), decode_tile=getattr(e, "decode_tile", 4))
+                        **dict(zip(("extend_tile", "decode_tile"), e.tiles(plan.compiler, slots, shards))))
     rows, g = plan.rows["grpo"], s.grpo
     return StepSettings(schedule=schedule, update_rows=rows["batch"], microbatches=rows["microbatches"],
                         updates_per_epoch=-(-s.batch // rows["batch"]), ppo_epochs=g.ppo_epochs,

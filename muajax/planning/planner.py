@@ -89,7 +89,8 @@ def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None
     engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context, kv_cache_tokens=r.kv_cache_tokens,
                             page_size=r.page_size, attention=r.attention, mesh=r.mesh, eval_slots=eval_slots,
                             deterministic=r.deterministic and not fixed,
-                            call_rows=(r.num_slots or batch) if fixed else None)
+                            call_rows=(r.num_slots or batch) if fixed else None, extend_tile=r.extend_tile,
+                            decode_tile=r.decode_tile)
     values = dict(batch=batch, seq=r.max_context, temperature=r.temperature,
                   grpo=cfg.grpo, sft=cfg.sft, engine=engine, keep_kv_during_update=r.keep_kv_pool, phases=phases)
     return PlanSettings(**{**values, **overrides})

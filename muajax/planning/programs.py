@@ -27,8 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from muajax import parallel
-from muajax.engine import kv_cache
-from muajax.engine.engine import DECODE_TILE, EXTEND_TILE
+from muajax.engine import batching, kv_cache
 from muajax.engine.programs import abstract_programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
 from muajax.planning import topology
@@ -152,9 +151,14 @@ class EngineSettings:
     # every call); neither: packed calls with whole-call dots
     deterministic: bool = True          # the trainer's default (rollout.deterministic)
     call_rows: int | None = None
-    extend_tile: int = EXTEND_TILE
-    decode_tile: int = DECODE_TILE
+    extend_tile: int | None = None      # rollout.extend_tile / decode_tile; None: the engine's for the platform
+    decode_tile: int | None = None
     platform: str | None = None         # where the engine runs, when not where the plan compiles ("gpu": h100:8)
+
+    def tiles(self, platform: str, slots: int, shards: int) -> tuple[int, int]:
+        """(extend_tile, decode_tile) as the engine resolves them (`batching.default_tiles`)."""
+        extend, decode = batching.default_tiles(self.platform or platform, slots, shards)
+        return self.extend_tile or extend, self.decode_tile or decode
 
     @property
     def call_layout(self) -> str:
@@ -210,9 +214,10 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)
     attention = engine.resolved_attention()
     tiled = engine.deterministic and not engine.call_rows
+    extend_tile, decode_tile = engine.tiles(local.devices.flat[0].platform, slots, parallel.batch_divisor(local))
     spec = build_spec(cfg, local, num_slots=slots, max_len=engine.max_len, kv_cache_tokens=tokens,
                       page_size=engine.page_size, decode_chunk=engine.decode_chunk, attention=attention,
-                      tiled=tiled, decode_tile=engine.decode_tile)
+                      tiled=tiled, decode_tile=decode_tile)
     pool = shard_bytes(kv_cache.abstract_pool(spec.pool))
     layout = "x".join(str(n) for n in local.devices.shape)
     per_host = " per host" if hosts > 1 else ""
@@ -226,8 +231,8 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
                               max_seqs=slots, max_len=engine.max_len, widths=engine.widths,
                               decode_chunk=engine.decode_chunk, max_extend_tokens=engine.max_extend_tokens,
                               attention=attention, params=params,
-                              extend_tile=None if engine.call_rows else engine.extend_tile, deterministic=tiled,
-                              decode_tile=engine.decode_tile)
+                              extend_tile=None if engine.call_rows else extend_tile, deterministic=tiled,
+                              decode_tile=decode_tile)
     which = "its own copy" if copy_bytes else "the train state's"
     resident = {f"params ({which})": shard_bytes(params), **state}
     # the decode's while_loop runs up to decode_chunk steps: its trip count is not in the HLO

@@ -34,8 +34,9 @@ def header(plan: Plan) -> str:
     if "rollout" in s.phases or "update" in s.phases:
         e = s.engine_settings
         calls = (f"fixed rows ({e.call_rows} a call), extend widths {list(e.widths)}" if e.call_rows else
-                 f"packed extends (tiles of {e.extend_tile} tokens)"
-                 + (f", token tiles (decode {e.decode_tile} rows a tile)" if e.deterministic else ""))
+                 f"packed extends (tiles of {e.extend_tile or 'the platform default'} tokens)"
+                 + (f", token tiles (decode {e.decode_tile or 'the platform default'} rows a tile)"
+                    if e.deterministic else ""))
         lines.append(f"engine: {e.num_slots} slots x {e.max_len} tokens, decode chunk {e.decode_chunk}, "
                      f"{calls}, attention {e.resolved_attention()}")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ rollout_s  the rollout played through the engine's schedule call by call
            live tiles computed), the system prompt computed once, the tail
            where few rows remain, user latency overlapped as the rollout loop allows), each
            call priced from the plan's compiled engine program of its kind (`engine decode`,
-           `engine extend_16x512` or `extend_W`), rescaled to the call's rows, key length and
+           `engine extend_128x64` or `extend_W`), rescaled to the call's rows, key length and
            steps by the analytic model of its work (FLOPs from muajax/models/flops.py, bytes
            from the weights and the KV cache it reads and writes); a token-tiled call by that
            model alone (its loops' counts are the data's; its weights read once per tile);

@@ -55,6 +55,7 @@ MAY_CHANGE = ("run.name", "run.out_dir", "run.gpu_memory_fraction", "checkpoint.
               "rollout.num_slots", "rollout.tool_workers", "rollout.overlap_io", "rollout.user_timeout_s",
               "rollout.kv_cache_tokens", "rollout.kv_cache_share", "rollout.page_size", "rollout.attention",
               "rollout.mesh", "rollout.mesh.", "rollout.keep_kv_pool", "rollout.deterministic", "rollout.call_layout",
+              "rollout.extend_tile", "rollout.decode_tile",
               "user.base_url", "user.api_key_env", "user.timeout_s", "user.max_retries", "user.max_concurrency",
               "grpo.max_consecutive_skips", "sft.max_consecutive_skips", "rollout.max_failed_share")
 _ABSENT = "(absent)"

@@ -173,7 +173,8 @@ def make_rollout_engine(params, model_cfg, mesh, tokenizer, *, num_slots: int, m
     options = dict(kv_cache_tokens=pool_tokens(r, model_cfg, local), page_size=r.page_size,
                    attention=r.attention,
                    batch_rows=None if call_rows is None else -(-call_rows // parallel.batch_divisor(local)),
-                   deterministic=r.deterministic and call_rows is None)
+                   deterministic=r.deterministic and call_rows is None, extend_tile=r.extend_tile,
+                   decode_tile=r.decode_tile)
     return RolloutEngine(params, model_cfg, mesh=local, train_mesh=mesh, num_slots=num_slots, max_len=max_len,
                          stop_ids=(im_end_id(tokenizer),), decode_chunk=decode_chunk,
                          min_batch_bucket=min_batch_bucket, **{**options, **kwargs})

@@ -52,7 +52,7 @@ def phase_of(plan, name):
 def test_compiled_by_the_tpu_compiler(plans, name):
     plan = plans[name]
     assert plan.compiler == "tpu" and plan.devices == 4 and plan.mesh == MESHES[name]
-    assert [p.name for p in plan.programs] == ["engine decode", "engine extend_16x512", "grpo step"]
+    assert [p.name for p in plan.programs] == ["engine decode", "engine extend_128x64", "grpo step"]
     assert all(p.error is None and p.compile_s > 0 and p.compiler == "tpu" for p in plan.programs)
     assert [p.name for p in plan.phases] == ["sync", "rollout", "update"]  # the engine decodes from a bf16 copy
     assert plan.fits is True
@@ -60,7 +60,7 @@ def test_compiled_by_the_tpu_compiler(plans, name):
     assert any(name.startswith("engine: KV pool") and "pallas" in name for name in rollout)  # the TPU path
     programs = plan.to_json()["programs"]  # the attention each program runs
     assert {name: p["attention"] for name, p in programs.items()} == {
-        "engine decode": "pallas", "engine extend_16x512": "pallas", "grpo step": "splash"}
+        "engine decode": "pallas", "engine extend_128x64": "pallas", "grpo step": "splash"}
 
 
 @pytest.mark.parametrize("name", list(MESHES))

@@ -29,8 +29,8 @@ def test_the_engine_compiles_for_one_v6e_host_of_a_v6e_16():
                           model_abstract_params(TINY), param_shardings(TINY, mesh))
     programs, state, copy_bytes = engine_programs(TINY, mesh, params,
                                                   EngineSettings(num_slots=16, max_len=128, widths=(32,)))
-    # packed extends (the trainer's default): one program, at the most rows of 16 tokens a call holds
-    assert copy_bytes > 0 and [p.name for p in programs] == ["engine decode", "engine extend_16x512"]
+    # packed extends (the trainer's default): one program, at the most rows of 128 tokens (a TPU's tile) a call holds
+    assert copy_bytes > 0 and [p.name for p in programs] == ["engine decode", "engine extend_128x64"]
     fixed, _, _ = engine_programs(TINY, mesh, params, EngineSettings(num_slots=16, max_len=128, widths=(32,),
                                                                      call_rows=16, deterministic=False))
     assert [p.name for p in fixed] == ["engine decode", "engine extend_32"]  # rollout.call_layout fixed_rows
