@@ -265,3 +265,24 @@ def test_a_token_tiled_call_reads_the_weights_once_per_live_tile_and_the_plan_re
     assert (p["layout"], f["layout"]) == ("packed, token tiles", "fixed_rows")
     assert 1.0 <= p["extend_computed_over_real"] < 1.2 < 2 < f["extend_computed_over_real"]
     assert 1.0 <= p["decode_computed_over_real"] <= f["decode_computed_over_real"]
+
+
+def test_the_engine_settings_follow_the_config_s_call_layout_and_a_gpu_reads_pages_in_place():
+    import dataclasses
+
+    from muajax.config.schema import TrainConfig
+    from muajax.planning.calibration import engine_attention
+    from muajax.planning.planner import from_train_config
+
+    cfg = TrainConfig()
+    packed = from_train_config(cfg).engine_settings
+    assert packed.deterministic and packed.call_rows is None and packed.call_layout == "packed"
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, call_layout="fixed_rows"))
+    fixed = from_train_config(cfg).engine_settings
+    assert not fixed.deterministic and fixed.call_rows == cfg.rollout.n_per_task * cfg.rollout.tasks_per_step
+    plan = _plan()
+    assert engine_attention(plan) == "reference"
+    assert step_settings(plan, _rollout(deterministic=False)).schedule.dense_buckets  # the CPU's dense decode
+    plan.settings.engine_settings = dataclasses.replace(plan.settings.engine_settings, platform="gpu")
+    assert engine_attention(plan) == "paged"  # an h100 plan compiled by XLA:CPU: no dense decode
+    assert not step_settings(plan, _rollout(deterministic=False)).schedule.dense_buckets
