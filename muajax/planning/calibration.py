@@ -83,7 +83,8 @@ def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1,
                         recompute=bool(g.recompute_old_logprobs and g.minibatch_size is not None),
                         reference=g.uses_reference, buckets=tuple(rows.get("buckets") or (rows["length"],)),
                         shared_prefix=rows.get("shared_prefix", 0), compiled_length=rows.get("length", s.seq),
-                        executed_flops=(getattr(plan, "analytic_flops", None) or {}).get("grpo", 0.0), hosts=hosts)
+                        executed_flops=(getattr(plan, "analytic_flops", None) or {}).get("grpo", 0.0), hosts=hosts,
+                        row_buckets=tuple(rows.get("row_buckets") or ()) if rows.get("packed") else ())
 
 
 def plan_rates(plan, measure=None) -> Rates:

@@ -183,6 +183,7 @@ def _plan_grpo(cfg: Qwen3Config, device_mesh, s: PlanSettings, build, phases: li
     train = dict(step.resident_args)
     rows = {"batch": layout.update_rows, "microbatches": layout.microbatches, "padded": layout.padded_rows,
             "length": layout.longest, "buckets": list(layout.buckets), "shared_prefix": layout.shared_prefix,
+            "packed": layout.packed, "row_buckets": list(layout.row_buckets()),
             "attention": rows_attention(cfg, length=layout.longest, platform=platform,
                                         shared_prefix=layout.shared_prefix)}
     flops = train_step_flops(cfg, layout.update_rows, layout.longest, reference=s.grpo.uses_reference,

@@ -17,8 +17,11 @@ sync_s     the engine's copy of the params (the plan's rollout phase says how ma
            written once, and moved over the interconnect when the layouts differ;
 update_s   the `grpo step` program per optimizer update (ppo_epochs x mini-batches), at the
            length bucket the simulated batch's longest row falls in (rescaled from the
-           compiled length by the train step's analytic FLOPs), plus the old-logprob
-           recompute forward when `grpo.recompute_old_logprobs` runs one.
+           compiled length by the train step's analytic FLOPs) and, with packed GRPO rows
+           (`grpo.pack_rows`), at the rows the simulated lengths pack into
+           (`grpo_packing.pack_bins` and `rows_for`, as the trainer packs each mini-batch;
+           with several hosts, each packs its own and all take the most), plus the
+           old-logprob recompute forward when `grpo.recompute_old_logprobs` runs one.
 
 A call's seconds are the host's dispatch time plus the roofline of its FLOPs, bytes and
 collectives (`Rates`): on an accelerator the largest term (`muajax.planning.roofline`:
@@ -98,6 +101,7 @@ class StepSettings:
     buckets: tuple[int, ...] = ()
     shared_prefix: int = 0           # tokens the update computes once per microbatch
     compiled_length: int = 0         # the length the plan compiled the update at
+    row_buckets: tuple[int, ...] = ()  # packed GRPO rows: the row counts an update may have (empty: padded)
     # what one update executes by the model's count (the plan's analytic_flops["grpo"], per
     # device), for a compiled program with loops of unknown trip count (`missing_loops`)
     executed_flops: float = 0.0
@@ -231,13 +235,32 @@ def missing_loops(cost: ProgramCost, executed_flops: float) -> float:
     return max(executed_flops / cost.flops, 1.0) if unknown and cost.flops > 0 and executed_flops else 1.0
 
 
+def update_rows(lengths, length: int, s: StepSettings) -> int:
+    """Rows of one update at bucket `length`: the padded rows, or with packed rows
+    (`s.row_buckets`) what one host's trajectories `lengths` pack into, each mini-batch
+    packed alone (the most of them; `muajax.runtime.grpo_packing.grpo_packed_batches`)."""
+    if not s.row_buckets:
+        return s.update_rows
+    from muajax.runtime.grpo_packing import pack_bins, rows_for
+
+    prefix = s.shared_prefix if 0 < s.shared_prefix < length else 0
+    lengths = [min(int(n), length) for n in lengths]
+    per = -(-len(lengths) // max(s.updates_per_epoch, 1))
+    bins = max(len(pack_bins(lengths[i:i + per], length, prefix)) for i in range(0, len(lengths), per))
+    if s.hosts > 1:  # every process packs its own and all take the most (`distributed.allgather_ints`)
+        return min(s.update_rows, bins * s.hosts)
+    return rows_for(bins, s.row_buckets)
+
+
 def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length: int,
-                   recompute_cost: ProgramCost | None = None) -> dict:
-    """The step's updates at padded `length`: each update call rescaled from the compiled
-    length by the train step's FLOPs; the old-logprob forward (one per mini-batch) from its
-    own compiled program (`old logprobs`) by the forward's FLOPs, or where the plan has none
-    from the update's cost by the forward's share of the step's FLOPs."""
-    length_ratio = _train_flops(cfg, s.update_rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
+                   recompute_cost: ProgramCost | None = None, rows: int | None = None) -> dict:
+    """The step's updates at padded `length` over `rows` rows (default: the padded rows):
+    each update call rescaled from the compiled length and rows by the train step's FLOPs;
+    the old-logprob forward (one per mini-batch) from its own compiled program (`old
+    logprobs`) by the forward's FLOPs, or where the plan has none from the update's cost by
+    the forward's share of the step's FLOPs."""
+    rows = rows or s.update_rows
+    length_ratio = _train_flops(cfg, rows, length, s) / _train_flops(cfg, s.update_rows, s.compiled_length, s)
     ratio = length_ratio * missing_loops(cost, s.executed_flops)  # the temporaries are allocated once a call
     per_call = rates.seconds(cost.flops * ratio, cost.bytes_accessed * ratio, moved_bytes(cost) * ratio,
                              temporaries(cost) * length_ratio)
@@ -299,9 +322,12 @@ def predict_step(plan, profile: RolloutProfile, rates: Rates, settings: StepSett
         convs = draw_conversations(profile, sched.conversations, rng, max_new_tokens=sched.max_new_tokens)
         run = simulate(convs, sched, engine.times(), prefix_tokens=profile.system_tokens)
         longest = bucket_length(min(max(run.lengths), max(settings.buckets)), settings.buckets)
-        update = update_seconds(programs["grpo step"], plan.cfg, rates, settings, longest, programs.get("old logprobs"))
+        rows = update_rows(run.lengths, longest, settings)
+        update = update_seconds(programs["grpo step"], plan.cfg, rates, settings, longest, programs.get("old logprobs"),
+                                rows=rows)
         runs.append(run)
-        updates.append({**update, "length": longest, "useful_flops": useful_flops(plan.cfg, run.lengths, settings)})
+        updates.append({**update, "length": longest, "rows": rows,
+                        "useful_flops": useful_flops(plan.cfg, run.lengths, settings)})
     return _summary(plan, rates, settings, runs, updates)
 
 
@@ -335,7 +361,8 @@ def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
                     "decode_computed_over_real": _ratio(runs, "decode_positions", "sampled_tokens")},
         "update": {"calls": updates[0]["calls"], "per_call_s": _mean(u["per_call_s"] for u in updates),
                    "recompute_s": _mean(u["recompute_s"] for u in updates),
-                   "length": _mean(u["length"] for u in updates), "useful_flops": useful},
+                   "length": _mean(u["length"] for u in updates), "rows": _mean(u["rows"] for u in updates),
+                   "useful_flops": useful},
         "tokens_per_s_per_chip": sampled / step / plan.devices if step > 0 else 0.0,
         "update_mfu": useful / (update * chip_s) if update > 0 else 0.0,
         "step_mfu": useful / (step * chip_s) if step > 0 else 0.0,
@@ -353,6 +380,7 @@ def summary_lines(prediction: dict) -> list[str]:
             f"  {r['layout']} calls: computed over real tokens, extends {r['extend_computed_over_real']:.2f}, "
             f"decode {r['decode_computed_over_real']:.2f}",
             f"  update: {u['calls']} call(s) of {u['per_call_s']:.3f} s at length {u['length']:.0f}"
+            + (f", {u['rows']:.0f} rows" if "rows" in u else "")
             + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),
             f"  {p['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip; update MFU {p['update_mfu']:.1%} "
             f"(step {p['step_mfu']:.1%}) on the real tokens"]

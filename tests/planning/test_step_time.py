@@ -182,6 +182,26 @@ def test_the_update_is_its_program_per_mini_batch_and_epoch_at_the_batch_s_lengt
     assert short["update"]["length"] == 512 and short["update_mfu"] > 0
 
 
+def test_packed_grpo_rows_update_at_the_rows_the_lengths_pack_into():
+    plan = _plan(batch=16)
+    plan.rows["grpo"] = {**plan.rows["grpo"], "packed": True, "row_buckets": [2, 4, 6, 8, 10, 12, 14, 16]}
+    packed = step_settings(plan, _rollout())
+    assert packed.row_buckets == (2, 4, 6, 8, 10, 12, 14, 16)
+    padded = step_settings(_plan(batch=16), _rollout())
+    assert padded.row_buckets == ()
+    from muajax.planning.step_time import update_rows
+    assert update_rows([300] * 16, 1024, padded) == 16
+    assert update_rows([300] * 16, 1024, packed) == 6  # three trajectories of 300 a row of 1024: 6 rows
+    assert update_rows([600] * 16, 1024, packed) == 16  # one a row
+    # with several hosts each packs its own share and all take the most
+    assert update_rows([300] * 8, 1024, step_settings(plan, _rollout(), hosts=2)) == 6
+    profile = _profile(2.0)  # conversations of about 190 tokens: two a row of 512
+    a = predict_step(plan, profile, RATES, packed, samples=1)
+    b = predict_step(_plan(batch=16), profile, RATES, padded, samples=1)
+    assert a["update"]["rows"] < 16 == b["update"]["rows"] and a["update"]["length"] == b["update"]["length"]
+    assert a["update_s"] < b["update_s"] and a["rollout_s"] == b["rollout_s"]
+
+
 def test_measured_takes_the_medians_of_a_run(tmp_path):
     records = [{"step": i, "time/rollout_s": r, "time/update_s": u, "perf/update_s": u - 1}
                for i, (r, u) in enumerate([(10.0, 9.0), (12.0, 3.0), (11.0, 4.0)], 1)]
