@@ -247,9 +247,9 @@ def update_rows(lengths, length: int, s: StepSettings) -> int:
     lengths = [min(int(n), length) for n in lengths]
     per = -(-len(lengths) // max(s.updates_per_epoch, 1))
     bins = max(len(pack_bins(lengths[i:i + per], length, prefix)) for i in range(0, len(lengths), per))
-    if s.hosts > 1:  # every process packs its own and all take the most (`distributed.allgather_ints`)
-        return min(s.update_rows, bins * s.hosts)
-    return rows_for(bins, s.row_buckets)
+    # with several processes each packs its own and all take the most (`distributed.allgather_ints`);
+    # their sum is taken up to a row bucket, a multiple of the batch divisor, as one process's is
+    return rows_for(min(bins * max(s.hosts, 1), max(s.row_buckets)), s.row_buckets)
 
 
 def update_seconds(cost: ProgramCost, cfg, rates: Rates, s: StepSettings, length: int,
