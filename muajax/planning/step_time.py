@@ -307,6 +307,9 @@ def compiled_engine_rows(plan, settings: StepSettings) -> int:
     return sched.shards * -(-slots // sched.shards)
 
 
+NO_UPDATE = {"per_call_s": 0.0, "calls": 0, "recompute_s": 0.0, "seconds": 0.0}
+
+
 def predict_step(plan, profile: RolloutProfile, rates: Rates, settings: StepSettings, *, samples: int = 8,
                  seed: int = 0, decode_rows: int | None = None) -> dict:
     """The step's seconds by phase (means over `samples` simulated batches), its calls, tokens
@@ -323,8 +326,8 @@ def predict_step(plan, profile: RolloutProfile, rates: Rates, settings: StepSett
         run = simulate(convs, sched, engine.times(), prefix_tokens=profile.system_tokens)
         longest = bucket_length(min(max(run.lengths), max(settings.buckets)), settings.buckets)
         rows = update_rows(run.lengths, longest, settings)
-        update = update_seconds(programs["grpo step"], plan.cfg, rates, settings, longest, programs.get("old logprobs"),
-                                rows=rows)
+        update = NO_UPDATE if "grpo step" not in programs else update_seconds(  # --phases rollout: not planned
+            programs["grpo step"], plan.cfg, rates, settings, longest, programs.get("old logprobs"), rows=rows)
         runs.append(run)
         updates.append({**update, "length": longest, "rows": rows,
                         "useful_flops": useful_flops(plan.cfg, run.lengths, settings)})
@@ -379,6 +382,7 @@ def summary_lines(prediction: dict) -> list[str]:
             f"{r['wait_s']:.2f} s; {r['sampled_tokens']:.0f} sampled tokens, longest row {r['longest_row']:.0f}",
             f"  {r['layout']} calls: computed over real tokens, extends {r['extend_computed_over_real']:.2f}, "
             f"decode {r['decode_computed_over_real']:.2f}",
+            f"  update: not planned (--phases)" if not u["calls"] else
             f"  update: {u['calls']} call(s) of {u['per_call_s']:.3f} s at length {u['length']:.0f}"
             + (f", {u['rows']:.0f} rows" if "rows" in u else "")
             + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),

@@ -202,6 +202,15 @@ def test_packed_grpo_rows_update_at_the_rows_the_lengths_pack_into():
     assert a["update_s"] < b["update_s"] and a["rollout_s"] == b["rollout_s"]
 
 
+def test_a_rollout_only_plan_predicts_the_rollout_and_no_update():
+    plan = _plan()
+    plan.programs = [p for p in plan.programs if p.name != "grpo step"]  # --phases rollout
+    p = predict_step(plan, _profile(2.0), RATES, step_settings(plan, _rollout()), samples=1)
+    assert p["rollout_s"] > 0 and p["update_s"] == 0.0 and p["step_s"] == p["rollout_s"] + p["sync_s"]
+    from muajax.planning.step_time import summary_lines
+    assert "update: not planned" in "\n".join(summary_lines(p))
+
+
 def test_measured_takes_the_medians_of_a_run(tmp_path):
     records = [{"step": i, "time/rollout_s": r, "time/update_s": u, "perf/update_s": u - 1}
                for i, (r, u) in enumerate([(10.0, 9.0), (12.0, 3.0), (11.0, 4.0)], 1)]
