@@ -105,10 +105,10 @@ class ExtendCall(NamedTuple):
 @dataclasses.dataclass
 class CallTimes:
     """Seconds of one engine call: decode(rows, key positions, steps run, row-steps
-    computed) and extend(rows, width, key positions, rows computed); rows are the call's,
-    all shards."""
+    computed, row-steps of the call's conversations: those read keys) and extend(rows,
+    width, key positions, rows computed); rows are the call's, all shards."""
 
-    decode: Callable[[int, int, int, int], float]
+    decode: Callable[[int, int, int, int, int], float]
     extend: Callable[[int, int, int, int], float]
 
 
@@ -286,7 +286,8 @@ def _engine_step(gen: list[_Live], schedule: Schedule, times: CallTimes, run: Ro
         done += rows
         call_steps = max(part, default=0) if schedule.tiled else steps
         computed = decode_row_steps(part, rows, schedule, call_steps)
-        decode += times.decode(rows, dense, call_steps, computed)
+        # the call's conversations read their keys every step (the tile's padding rows none)
+        decode += times.decode(rows, dense, call_steps, computed, min(computed, len(part) * call_steps))
         run.decode_calls += 1
         run.decode_positions += computed
     run.decode_s += decode

@@ -164,19 +164,24 @@ class _EngineModel:
         return self.rates.seconds(f, b, moved_bytes(cost) * rows, temporaries(cost) * now[1] / then[1])
 
     def _tiled(self, cost: ProgramCost, computed: int, new: int, keys: int, passes: float, head: bool,
-               allocated: float) -> float:
+               allocated: float, reading: int | None = None) -> float:
         """A token-tiled call: `computed` rows of `new` tokens over `keys` each, the weights
-        read `passes` times; `allocated`: its temporaries' share of the compiled call's."""
+        read `passes` times, the keys read by `reading` of the rows (default: all; a decode
+        tile's padding rows hold no sequence, so the kernel reads no pages for them);
+        `allocated`: its temporaries' share of the compiled call's."""
         flops = forward_flops(self.cfg, computed, new, keys) - (0 if head else 2.0 * head_params(self.cfg) * computed
                                                                  * new)
-        bytes_ = passes * self.device_weights + computed * keys * self.kv_token / self.devices
+        reading = computed if reading is None else min(reading, computed)
+        bytes_ = passes * self.device_weights + reading * keys * self.kv_token / self.devices
         return self.rates.seconds(flops / self.devices, bytes_, 0.0, temporaries(cost) * allocated)
 
-    def decode(self, rows: int, dense: int, steps: int, computed: int | None = None) -> float:
+    def decode(self, rows: int, dense: int, steps: int, computed: int | None = None,
+               reading: int | None = None) -> float:
         chunk, gather = self.schedule.decode_chunk, self.schedule.dense_buckets
         if self.schedule.tiled:
             passes = (computed or 0) / (self.schedule.shards * self.schedule.decode_tile)
-            return self._tiled(self.decode_cost, computed or 0, 1, dense, passes, True, rows / self.decode_rows)
+            return self._tiled(self.decode_cost, computed or 0, 1, dense, passes, True, rows / self.decode_rows,
+                               reading)
         now = self._work(rows, 1, dense, steps, True, gather)
         then = self._work(self.decode_rows, 1, self._compiled_keys(self.decode_cost, chunk, False), chunk, True, gather)
         return self._scaled(self.decode_cost, now, then, rows * steps / (self.decode_rows * chunk))
@@ -368,7 +373,7 @@ def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
                    "useful_flops": useful},
         "tokens_per_s_per_chip": sampled / step / plan.devices if step > 0 else 0.0,
         "update_mfu": useful / (update * chip_s) if update > 0 else 0.0,
-        "step_mfu": useful / (step * chip_s) if step > 0 else 0.0,
+        "step_mfu": useful / (step * chip_s) if step > 0 and update > 0 else 0.0,
         "rates": dataclasses.asdict(rates), "samples": len(runs),
     }
 

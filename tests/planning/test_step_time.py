@@ -66,7 +66,7 @@ def test_a_call_is_dispatch_plus_the_roofline_max_or_on_a_cpu_the_sum():
 def test_doubling_the_turns_doubles_the_decode_calls_and_time():
     schedule = Schedule(conversations=4, num_slots=4, max_context=4096, max_new_tokens=64, max_turns=100,
                         decode_chunk=16, dense_buckets=False)
-    times = CallTimes(decode=lambda rows, keys, steps, computed: 0.5, extend=lambda rows, width, keys, computed: 0.0)
+    times = CallTimes(decode=lambda rows, keys, steps, computed, reading: 0.5, extend=lambda rows, width, keys, computed: 0.0)
 
     def decode_s(turns):
         convs = [Conversation(50, [32] * turns, [10] * (turns - 1), [0.0] * (turns - 1)) for _ in range(4)]
@@ -82,7 +82,7 @@ def test_a_reply_joins_the_step_after_next_while_others_decode_and_latency_overl
     schedule = Schedule(conversations=2, num_slots=2, max_context=4096, max_new_tokens=256, max_turns=100,
                         decode_chunk=16, dense_buckets=False)
     rows = []
-    times = CallTimes(decode=lambda r, keys, steps, computed: rows.append(r) or 1.0, extend=lambda *call: 0.0)
+    times = CallTimes(decode=lambda r, keys, steps, computed, reading: rows.append(r) or 1.0, extend=lambda *call: 0.0)
     short = Conversation(10, [16, 16], [5], [0.0])  # one chunk per turn
     long = Conversation(10, [160], [], [])            # ten chunks
     run = simulate([short, long], schedule, times)
@@ -134,7 +134,7 @@ def test_a_tiled_decode_computes_the_live_tiles_of_each_step():
     assert decode_row_steps([16, 16, 16, 4, 4], 8, untiled, 16) == 8 * 16
     assert tiled.row_buckets == (4, 8)  # rows per decode call: whole tiles (batching.decode_buckets)
     seen = []
-    times = CallTimes(decode=lambda rows, keys, steps, computed: seen.append((rows, steps, computed)) or 0.1,
+    times = CallTimes(decode=lambda rows, keys, steps, computed, reading: seen.append((rows, steps, computed)) or 0.1,
                       extend=lambda *call: 0.0)
     run = simulate([Conversation(10, [40], [], []) for _ in range(5)], tiled, times)
     assert seen[0] == (8, 16, 8 * 16) and run.decode_positions == sum(c for _, _, c in seen)
@@ -287,6 +287,10 @@ def test_a_token_tiled_call_reads_the_weights_once_per_live_tile_and_the_plan_re
     # a decode call costs its live tiles' row-steps: half the tiles, about half the time
     full, half = (engine.decode(8, 256, 16, n) - RATES.dispatch_s for n in (8 * 16, 4 * 16))
     assert half == pytest.approx(full / 2, rel=0.05)
+    # a tile's padding rows (no conversation) compute but read no keys: the keys' bytes go
+    # with the conversations' row-steps alone
+    kv = 16 * 256 * engine.kv_token / RATES.mem_bytes_per_s  # one row's keys over 16 steps
+    assert full - (engine.decode(8, 256, 16, 8 * 16, 4 * 16) - RATES.dispatch_s) == pytest.approx(4 * kv, rel=0.01)
     profile = _profile(4.0, user_turn_tokens=Distribution(50.0), tool_result_tokens=Distribution(300.0))
     packed = predict_step(plan, profile, RATES, settings, samples=2)
     fixed = predict_step(plan, profile, RATES, step_settings(plan, _rollout(call_layout="fixed_rows")), samples=2)
