@@ -56,14 +56,21 @@ def buckets(limit: int, minimum: int = 1) -> tuple[int, ...]:
     return tuple(sorted({min(max(2**i, minimum), limit) for i in range(limit.bit_length() + 1)}))
 
 
+# With token tiles a call has at least this many tiles per shard: XLA compiles the loop over
+# one tile differently (a dynamic slice of a size-1 axis is simplified away, and the fusions
+# around it change), so a conversation alone in a one-tile call rounded differently from the
+# same conversation in a call of several (measured: hidden 128, head_dim 32, float32).
+MIN_TILES = 2
+
+
 def decode_buckets(num_slots: int, min_bucket: int, fixed_rows: int | None, tile: int | None) -> tuple[int, ...]:
     """Rows per shard a decode call can have: `fixed_rows` alone; with token tiles whole
-    `tile`s, powers of two of them up to every slot; else powers of two from `min_bucket`.
-    Each is one compilation: a larger minimum trades padded work for fewer of them."""
+    `tile`s, powers of two of them from MIN_TILES up to every slot; else powers of two from
+    `min_bucket`. Each is one compilation: a larger minimum trades padded work for fewer."""
     if fixed_rows:
         return (fixed_rows,)
     if tile:
-        return tuple(tile * t for t in buckets(-(-num_slots // tile)))
+        return tuple(tile * t for t in buckets(max(MIN_TILES, -(-num_slots // tile)), MIN_TILES))
     return buckets(num_slots, min_bucket)
 
 

@@ -105,7 +105,8 @@ class Engine:
         self.batch_buckets = batching.decode_buckets(num_slots, min_batch_bucket, batch_rows,
                                                      decode_tile if deterministic else None)
         # packed extends: rows (tiles) per shard per call
-        self.extend_buckets = batching.buckets(max(1, max_extend_tokens // extend_tile))
+        least = batching.MIN_TILES if deterministic else 1
+        self.extend_buckets = batching.buckets(max(least, max_extend_tokens // extend_tile), least)
         self.pool = kv_cache.allocate(pool)
         self.pages = PageTables(PagePool(pool.num_shards, pool.pages_per_shard), self.page_size, pool.max_pages)
         self._programs = Programs(self.spec)

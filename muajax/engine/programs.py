@@ -371,12 +371,12 @@ def abstract_programs(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size
     programs = Programs(spec)
     params = abstract_params(cfg, mesh) if params is None else params
     shards, per_shard = spec.pool.num_shards, -(-max_seqs // spec.pool.num_shards)
-    decode_rows = -(-per_shard // decode_tile) * decode_tile if deterministic else per_shard
+    decode_rows = max(batching.MIN_TILES, -(-per_shard // decode_tile)) * decode_tile if deterministic else per_shard
     dense = spec.attention == "reference" and not deterministic
     static = {"dense_pages": batching.dense_pages(dense_tokens or max_len, spec.pool) if dense else None}
     calls = [ProgramCall("decode", programs.decode, abstract_decode_args(spec, params, shards * decode_rows), static)]
     if extend_tile:
-        rows = max(1, max_extend_tokens // extend_tile)
+        rows = max(batching.MIN_TILES if deterministic else 1, max_extend_tokens // extend_tile)
         return calls + [ProgramCall(f"extend_{extend_tile}x{rows}", programs.extend,
                                     abstract_extend_args(spec, params, shards * rows, extend_tile), {})]
     row_buckets = batching.buckets(per_shard)

@@ -116,3 +116,30 @@ def test_paged_attention_agrees_with_the_models_attention_over_a_dense_copy(dtyp
                      kv_valid=valid)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+def test_a_conversation_alone_in_a_one_tile_call_rounds_as_beside_others():
+    """The embedded default's shape (hidden 128, head_dim 32, tied head in float32): XLA
+    compiled a one-tile call's loop differently, and a conversation alone (its decode in one
+    tile of 4 rows) drew other logprob bits than beside 4 others (two tiles), which made two
+    concurrent runs of `python -m muajax.train` end with different params. Calls now have at
+    least `batching.MIN_TILES` tiles."""
+    cfg = TINY_CONFIG.replace(vocab_size=512, hidden_size=128, intermediate_size=384, head_dim=32,
+                              tie_word_embeddings=True, logits_fp32=True)
+    weights = nn.meta.unbox(init_params(cfg, jax.random.key(0)))
+
+    def ours_beside(mates: int):
+        engine = Engine(weights, cfg, num_slots=8, max_len=512, stop_ids=(), decode_chunk=16, page_size=16,
+                        deterministic=True)
+        others = [engine.open([int(t) for t in np.random.RandomState(10 + i).randint(0, 512, 300)], seed=20 + i)
+                  for i in range(mates)]
+        ours = engine.open([int(t) for t in np.random.RandomState(1).randint(0, 512, 230)], seed=5)
+        for slot in others:
+            engine.start(slot, SamplingParams(temperature=1.0, max_new_tokens=100))
+        got = engine.generate([ours], SamplingParams(temperature=1.0, max_new_tokens=40))[ours]
+        return got.tokens, np.asarray(got.logprobs)
+
+    alone_tokens, alone_logprobs = ours_beside(0)
+    tokens, logprobs = ours_beside(4)
+    assert tokens == alone_tokens
+    np.testing.assert_array_equal(logprobs, alone_logprobs)
