@@ -70,8 +70,10 @@ class Schedule:
 
     @property
     def extend_row_buckets(self) -> tuple[int, ...]:
-        """Rows per shard a packed extend call can have (`Engine.extend_buckets`)."""
-        return batching.buckets(max(1, self.max_extend_tokens // self.extend_tile))
+        """Rows per shard a packed extend call can have (`Engine.extend_buckets`: with token
+        tiles at least `batching.MIN_TILES`)."""
+        least = batching.MIN_TILES if self.tiled else 1
+        return batching.buckets(max(least, self.max_extend_tokens // self.extend_tile), least)
 
     @property
     def layout(self) -> str:

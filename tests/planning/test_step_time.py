@@ -132,7 +132,8 @@ def test_a_tiled_decode_computes_the_live_tiles_of_each_step():
     assert decode_row_steps([16, 16, 16, 4, 4], 8, tiled, 16) == 4 * 8 + 12 * 4
     untiled = Schedule(conversations=8, num_slots=8, max_context=4096, max_new_tokens=64, max_turns=10)
     assert decode_row_steps([16, 16, 16, 4, 4], 8, untiled, 16) == 8 * 16
-    assert tiled.row_buckets == (4, 8)  # rows per decode call: whole tiles (batching.decode_buckets)
+    # rows per decode call: whole tiles, at least batching.MIN_TILES (batching.decode_buckets)
+    assert tiled.row_buckets == (8,)
     seen = []
     times = CallTimes(decode=lambda rows, keys, steps, computed, reading: seen.append((rows, steps, computed)) or 0.1,
                       extend=lambda *call: 0.0)
