@@ -33,7 +33,8 @@ its operand shapes with the kernel's own loop structure:
   sizes: the engine's (`muajax.engine.paged_attention.DEFAULT_BLOCKS`), which the call's
   text does not carry.
 
-XLA:TPU's own bookkeeping calls (`XLA_BOOKKEEPING`: buffer allocation, index annotations)
+XLA:TPU's own bookkeeping calls (`XLA_BOOKKEEPING`: buffer allocation, index annotations,
+async-call markers)
 run no matmuls and are left to XLA's counts. Any other custom call is returned as
 unrecognised, for the caller to list as uncounted.
 """
@@ -54,7 +55,10 @@ SPLASH_NAME = re.compile(r"splash_(mha|mqa)_(fwd|dq|dkv)(_segmented)?_(no_)?resi
 RAGGED_NAME = "ragged_paged_attention_kernel"
 _BODY = re.compile(r'"body":"([A-Za-z0-9+/=]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-XLA_BOOKKEEPING = frozenset({"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked"})
+# PrepareAsyncCallStart/Done: the operand-less markers v5p's SparseCore scatter offload
+# (the packed GRPO rows' scatter-adds) is started and joined with; the scatter is XLA's own.
+XLA_BOOKKEEPING = frozenset({"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
+                             "PrepareAsyncCallStart", "PrepareAsyncCallDone"})
 _INTS = ("s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "pred")
 
 

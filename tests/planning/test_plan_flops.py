@@ -38,10 +38,11 @@ def test_steps_count_their_kernels_and_match_the_analytic_count(plan):
         assert summary["analytic_flops"][kind] == entry["analytic_flops"] > 0
         assert summary["flops_ratio"][kind] == entry["flops_ratio"] == pytest.approx(1.0, abs=0.1)
     # the layers run 2 x 2 times per pass (2 layers, 2 microbatches): the policy's forward and
-    # its remat rerun, its backward, the reference's forward
+    # its remat rerun, its backward, the reference's forward; packed GRPO rows (the default)
+    # run the segmented kernels
     calls = {k["name"]: k["calls"] for k in summary["programs"]["grpo step"]["kernels"]}
-    assert calls == {"splash_mha_fwd_residuals": 8, "splash_mha_dq_no_residuals": 4,
-                     "splash_mha_dkv_no_residuals": 4, "splash_mha_fwd_no_residuals": 4}
+    assert calls == {"splash_mha_fwd_segmented_residuals": 8, "splash_mha_dq_segmented_no_residuals": 4,
+                     "splash_mha_dkv_segmented_no_residuals": 4, "splash_mha_fwd_segmented_no_residuals": 4}
 
 
 def test_the_programs_table_shows_the_kernels_share(plan):
