@@ -83,7 +83,7 @@ class RolloutConfig(Checked):
     # gives every call all of a shard's slots as rows and computes the padding too.
     call_layout: Literal["packed", "fixed_rows"] = "packed"
     # Tokens per row of a packed extend, and rows per decode tile with token tiles; each tile
-    # reads every weight again. None: by platform (muajax.engine.batching.TILES: 16 and 4 on
+    # reads every weight again. None: by platform (muajax.engine.batching.TILES: 16 and 2 on
     # CPU, 128 and every slot on an accelerator, where a step is bound by reading the weights).
     extend_tile: int | None = bounded(None, ge=1)
     decode_tile: int | None = bounded(None, ge=1)  # rows per decode tile (see extend_tile)

@@ -5,8 +5,8 @@ Its public interface, written down:
 engine.engine.Engine(params, cfg, *, num_slots, max_len, mesh=None, stop_ids=(IM_END_ID,),
         decode_chunk=32, extend_widths=(32, 128, 512, 2048), min_batch_bucket=1,
         kv_cache_tokens=None, page_size=None, max_extend_tokens=8192, attention="auto",
-        kernel_blocks=KernelBlocks(), batch_rows=None, extend_tile=16, deterministic=False,
-        decode_tile=4)
+        kernel_blocks=KernelBlocks(), batch_rows=None, extend_tile=None, deterministic=False,
+        decode_tile=None)
     num_slots: conversations open at once; max_len: tokens per conversation;
     kv_cache_tokens: the page pool in tokens (default max(num_slots, shards) * max_len);
     page_size: tokens per page (default 128 on the Pallas path, else 16);
@@ -16,7 +16,8 @@ engine.engine.Engine(params, cfg, *, num_slots, max_len, mesh=None, stop_ids=(IM
     extends are packed: every waiting token in rows of extend_tile, up to max_extend_tokens
     per shard per call; deterministic: token tiles (muajax/models/token_tiles.py), so a
     conversation's numbers do not depend on which others share its calls and only the tiles
-    that hold tokens run; decode rows in tiles of decode_tile;
+    that hold tokens run; decode rows in tiles of decode_tile (extend_tile and decode_tile
+    None: by platform, batching.TILES: 16 and 2 on CPU, 128 and every slot elsewhere);
     batch_rows: the older way to the same end: every call has this many rows per shard,
     extends at extend_widths (None: packed).
   open(tokens, *, seed=0) -> slot        release(slot)          append(slot, tokens)

@@ -43,7 +43,7 @@ MIN_DENSE_TOKENS = 256
 # every weight again: on CPU, where the weights stay in cache, small tiles waste little; on an
 # accelerator a step is bound by reading the weights from HBM, so extend tiles are long and
 # a decode step is one tile of every slot (padded rows are nearly free there).
-TILES = {"cpu": (16, 4), "accelerator": (128, None)}  # None: every slot of a shard
+TILES = {"cpu": (16, 2), "accelerator": (128, None)}  # None: every slot of a shard
 
 
 def default_tiles(platform: str, num_slots: int, shards: int) -> tuple[int, int]:
@@ -218,7 +218,12 @@ class DecodeRows:
 
 def decode_rows(ready: Sequence[tuple], spec: PoolSpec, row_buckets: Sequence[int], tables: PageTables) -> DecodeRows:
     """Rows for one decode chunk: `ready` holds (conversation state, limit) pairs, the state
-    having `.seq`, `.seed`, `.sampling` and `.tokens`; `limit` is the tokens its pages take."""
+    having `.seq`, `.seed`, `.sampling` and `.tokens`; `limit` is the tokens its pages take.
+    Within a shard, rows with the most steps ahead of them come first: a token-tiled decode
+    computes the tiles up to the last running row, and rows that run out of budget (or of
+    pages) first then leave whole tiles behind them."""
+    steps = lambda item: min(item[1], item[0].sampling.max_new_tokens - len(item[0].tokens))  # noqa: E731
+    ready = sorted(ready, key=lambda item: -steps(item))  # stable: ties keep their order
     groups = _by_shard(ready, lambda item: item[0].seq.shard, spec, row_buckets[-1])
     per_shard = bucket(max(map(len, groups)), row_buckets)
     rows = spec.num_shards * per_shard

@@ -121,7 +121,7 @@ def test_paged_attention_agrees_with_the_models_attention_over_a_dense_copy(dtyp
 def test_a_conversation_alone_in_a_one_tile_call_rounds_as_beside_others():
     """The embedded default's shape (hidden 128, head_dim 32, tied head in float32): XLA
     compiled a one-tile call's loop differently, and a conversation alone (its decode in one
-    tile of 4 rows) drew other logprob bits than beside 4 others (two tiles), which made two
+    tile) drew other logprob bits than beside 4 others (several tiles), which made two
     concurrent runs of `python -m muajax.train` end with different params. Calls now have at
     least `batching.MIN_TILES` tiles."""
     cfg = TINY_CONFIG.replace(vocab_size=512, hidden_size=128, intermediate_size=384, head_dim=32,
