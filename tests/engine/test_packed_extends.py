@@ -67,7 +67,8 @@ def test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_o
     np.testing.assert_array_equal(logprobs, alone_logprobs)
     # the mates changed how the calls were cut, and their buckets
     assert engine.stats["extend_positions"] > alone.stats["extend_positions"]
-    assert engine.stats["decode_positions"] > alone.stats["decode_positions"]
+    # beside 7 or 63 others its decode calls held more tiles (one mate shares its tile of 2)
+    assert engine.stats["decode_positions"] > alone.stats["decode_positions"] or count == 1
 
 
 def test_without_token_tiles_the_bits_follow_the_call(params):
