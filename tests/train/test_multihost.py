@@ -24,6 +24,9 @@ TINY_GRPO = [
     "rollout.max_context=1024", "grpo.steps=2", "grpo.learning_rate=1e-3", "grpo.microbatch_size=2",
     "checkpoint.every_steps=1",
     "checkpoint.keep=2", "eval.max_tasks=2", "metrics.progress_bar=false", "metrics.tensorboard=false",
+    # Padded GRPO rows: packed rows are packed by each host from its own trajectories, so one
+    # process and two lay the same global batch out differently (and round differently).
+    "grpo.pack_rows=false",
     # Params replicated over two devices in both runs: every cross-device reduction is then a
     # sum of two terms, exact in any order, so gloo's all-reduce between processes and the
     # in-process one agree to the bit. (An fsdp split would make the per-process engine's
