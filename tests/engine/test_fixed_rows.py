@@ -1,24 +1,18 @@
 """Fixed-shape calls (`batch_rows`): a conversation's numbers do not depend on which others
 share its calls; ahead-of-time compilation (`warmup`) and freeing the pool (`release_memory`)."""
-import flax.linen as nn
-import jax
 import numpy as np
 import pytest
 
 from muajax.engine.engine import Engine, SamplingParams
-from muajax.models.qwen3 import init_params
-from tests.support.tiny_models import TINY_CONFIG
+from tests.support.tiny_models import ENGINE_CONFIG, engine_params, random_ids
 
-CFG = TINY_CONFIG.replace(vocab_size=500, intermediate_size=192)
+CFG = ENGINE_CONFIG
+ids = random_ids
 
 
 @pytest.fixture(scope="module")
 def params():
-    return nn.meta.unbox(init_params(CFG, jax.random.key(0)))
-
-
-def ids(rng, n):
-    return [int(t) for t in rng.randint(0, CFG.vocab_size, n)]
+    return engine_params()
 
 
 def conversation_with(params, mates, *, batch_rows, num_slots=8):

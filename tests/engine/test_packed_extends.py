@@ -1,8 +1,6 @@
 """Packed extends and token tiles (`Engine(deterministic=True)`): a conversation gives the same
 bits alone and beside others, whatever the buckets of its calls; extends compute the tiles
 they fill, not rows x the widest width; the in-place paged attention agrees with the model's."""
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,19 +9,20 @@ from muajax.engine import kv_cache
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.engine.paged_reference import attend_pages
 from muajax.models.attention import attention
-from muajax.models.qwen3 import init_params
-from tests.support.tiny_models import TINY_CONFIG
+from tests.support.tiny_models import (
+    ENGINE_CONFIG,
+    TINY_CONFIG,
+    engine_params,
+    random_ids,
+)
 
-CFG = TINY_CONFIG.replace(vocab_size=500, intermediate_size=192)
+CFG = ENGINE_CONFIG
+ids = random_ids
 
 
 @pytest.fixture(scope="module")
 def params():
-    return nn.meta.unbox(init_params(CFG, jax.random.key(0)))
-
-
-def ids(rng, n):
-    return [int(t) for t in rng.randint(0, CFG.vocab_size, n)]
+    return engine_params()
 
 
 def conversation_with(params, mates, **engine_kwargs):
@@ -127,7 +126,7 @@ def test_a_conversation_alone_in_a_one_tile_call_rounds_as_beside_others():
     least `batching.MIN_TILES` tiles."""
     cfg = TINY_CONFIG.replace(vocab_size=512, hidden_size=128, intermediate_size=384, head_dim=32,
                               tie_word_embeddings=True, logits_fp32=True)
-    weights = nn.meta.unbox(init_params(cfg, jax.random.key(0)))
+    weights = engine_params(cfg)
 
     def ours_beside(mates: int):
         engine = Engine(weights, cfg, num_slots=8, max_len=512, stop_ids=(), decode_chunk=16, page_size=16,

@@ -34,6 +34,25 @@ TINY_ARCH = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2
                  max_position_embeddings=2048)
 
 
+# The engine tests' model (tests/engine/test_fixed_rows.py, test_packed_extends.py): a vocabulary
+# wide enough for random prompts and a wider MLP than TINY_CONFIG's.
+ENGINE_CONFIG = TINY_CONFIG.replace(vocab_size=500, intermediate_size=192)
+
+
+def engine_params(cfg: Qwen3Config = ENGINE_CONFIG, seed: int = 0):
+    """Random params of `cfg` (the engine tests' module fixtures call this)."""
+    import flax.linen as nn
+    import jax
+
+    from muajax.models.qwen3 import init_params
+    return nn.meta.unbox(init_params(cfg, jax.random.key(seed)))
+
+
+def random_ids(rng, n: int, cfg: Qwen3Config = ENGINE_CONFIG) -> list[int]:
+    """`n` random token ids of `cfg`'s vocabulary from numpy RandomState `rng`."""
+    return [int(t) for t in rng.randint(0, cfg.vocab_size, n)]
+
+
 def arch_override(**changes) -> str:
     """`model.arch={...}`: TINY_ARCH with `changes`, as a run-config override."""
     arch = yaml.safe_dump({**TINY_ARCH, **changes}, default_flow_style=True, sort_keys=False, width=float("inf"))
