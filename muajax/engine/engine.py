@@ -43,13 +43,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from muajax import parallel
 from muajax.engine import batching, kv_cache
+
 # re-exported: callers import them from here (see muajax/engine/__init__.py)
 from muajax.engine.generation import FINISH_REASONS, Generation, SamplingParams  # noqa: F401
 from muajax.engine.layer_views import layer_views
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
-from muajax.engine.programs import Programs, build_spec
 from muajax.engine.precompile import warm_programs
+from muajax.engine.programs import Programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
 

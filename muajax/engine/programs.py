@@ -22,12 +22,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from muajax import parallel
-from muajax.engine import batching, dense_decode, kv_cache, paged_attention, paged_reference
+from muajax.engine import (
+    batching,
+    dense_decode,
+    kv_cache,
+    paged_attention,
+    paged_reference,
+)
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.sampling import sample_tokens
 from muajax.models import qwen3
-from muajax.models.qwen3 import AttentionContext, Qwen3, Qwen3Config, forward, rope_tables
+from muajax.models.qwen3 import (
+    AttentionContext,
+    Qwen3,
+    Qwen3Config,
+    forward,
+    rope_tables,
+)
 from muajax.models.sharding import param_shardings
 from muajax.models.token_tiles import TokenTiles, map_tiles
 
@@ -193,11 +205,11 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
     """With `layer_params` (per-layer weight buffers, see `Engine._layer_views`) the dense
     cache is gathered per layer and the layers run unrolled, so a step slices nothing out of
     a stacked array (see `forward`). Without, the layer scan over the stacked params.
-    Up to `dense_decode.TAIL_MAX_ROWS` rows (untiled), the chunk's new tokens go into a tail
-    instead of the gathered cache (see dense_decode.py)."""
+    Up to `dense_decode.TAIL_MAX_ROWS` rows, the chunk's new tokens go into a tail instead of
+    the gathered cache (see dense_decode.py). Never token-tiled: a tiled engine decodes in place."""
     per_layer = layer_params is not None
     dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, per_layer)
-    if last.shape[0] <= dense_decode.TAIL_MAX_ROWS and not spec.tiled:
+    if last.shape[0] <= dense_decode.TAIL_MAX_ROWS:
         tail = dense_decode.empty_tail(spec.pool, last.shape[0], spec.decode_chunk, per_layer)
 
         def tail_step(tail, last, num_new, now):
@@ -208,15 +220,14 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
         return kv_cache.scatter_dense(spec.pool, pool, tail, page_table, lengths, out[2], spec.decode_chunk,
                                       from_start=False), out
     zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
-    cfg, shards = spec.model_cfg(spec.decode_tile), spec.pool.num_shards
 
     def step(dense, last, num_new, lengths):
-        logits, dense = forward(params, cfg, last[:, None], cache=dense, num_new=num_new, logits_index=zeros,
-                                layer_params=layer_params, live_tiles=live_tiles(num_new > 0, shards, spec.decode_tile))
+        logits, dense = forward(params, spec.cfg, last[:, None], cache=dense, num_new=num_new, logits_index=zeros,
+                                layer_params=layer_params)
         return logits[:, 0], dense
 
     dense, out = decode_loop(step, dense, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
-                             steps=spec.decode_chunk, max_len=spec.max_len, tiles=_tiles(spec))
+                             steps=spec.decode_chunk, max_len=spec.max_len)
     return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, out[2], spec.decode_chunk), out
 
 

@@ -22,7 +22,13 @@ import jax.numpy as jnp
 
 from muajax.models.chunked_attention import ATTENTION_LSE, ATTENTION_OUT
 from muajax.models.qwen3_config import Qwen3Config
-from muajax.models.qwen3_layers import AttentionContext, DecoderLayer, LayerCarry, declare_param, rms_norm
+from muajax.models.qwen3_layers import (
+    AttentionContext,
+    DecoderLayer,
+    LayerCarry,
+    declare_param,
+    rms_norm,
+)
 from muajax.models.token_tiles import map_tiles
 
 
