@@ -87,6 +87,13 @@ class RolloutConfig(Checked):
     # CPU, 128 and every slot on an accelerator, where a step is bound by reading the weights).
     extend_tile: int | None = bounded(None, ge=1)
     decode_tile: int | None = bounded(None, ge=1)  # rows per decode tile (see extend_tile)
+    # Partial rollouts (with grpo.max_staleness >= 1): a conversation in flight when an update
+    # publishes new weights goes on with them from the engine's next call (its tokens keep
+    # the version and logprobs that sampled them; its KV cache stays as computed). Timing
+    # dependent by nature: which tokens get which weights depends on when updates finish,
+    # so runs are not bitwise repeatable and multi-host processes may differ. False: a batch
+    # rolls out entirely on the weights it started with (deterministic).
+    partial: bool = False
 
     def validate(self) -> None:
         try:

@@ -81,6 +81,11 @@ class GRPOConfig(Checked):
     # pass). With one update per step that forward is the update's own (no extra cost); with
     # mini-batches, one forward over the whole batch before the first update.
     recompute_old_logprobs: bool = False
+    # Asynchronous GRPO (muajax/train/async_grpo.py): the rollouts of the next batches run
+    # while this one updates, on weights at most this many updates old (a row's staleness:
+    # the update's version minus the oldest version that sampled its tokens). 0: rollout,
+    # then update, strictly in turn (the synchronous loop, unchanged).
+    max_staleness: int = bounded(0, ge=0)
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
