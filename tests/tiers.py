@@ -99,6 +99,9 @@ SLOW = {
     # transformers' generate, pages coming back, a waiting conversation starting.
     "tests/engine/test_engine.py::test_sampling_reproducible_whatever_other_slots_do": 9,
     "tests/engine/test_paged_engine.py::test_small_pool_preempts_and_completes_every_conversation_like_a_big_pool": 12,
+    # --- a rollout whose scripted users answer after a delay, on an 8-slot engine of its own.
+    # Default tier: tests/domains/test_latency.py's concurrent sessions.
+    "tests/agent/test_rollout_user_latency.py::test_the_conversations_wait_on_their_users_together": 25,
     # --- commands over whole domains. Default tier: synth with the expert and on MCP, BFCL's scoring.
     "tests/test_synth_cli.py::test_failed_conversations_are_never_kept": 9,
     "tests/domains/bfcl/test_bfcl.py::test_eval_cli_on_bfcl": 7,

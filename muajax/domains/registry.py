@@ -8,6 +8,7 @@ domain should not pay for, and BFCL is an optional install.
 from __future__ import annotations
 
 from muajax.domains.base import Domain, Environment, UserSimulator
+from muajax.domains.latency import reply_delay
 
 TAU2_DOMAINS = ("retail", "airline", "telecom")
 
@@ -60,14 +61,14 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
                                     f"user.kind={user_cfg.kind!r} does not apply (use user.kind=scripted)")
         from muajax.domains.bfcl.user import BfclUser
 
-        return BfclUser()
+        return BfclUser(reply_delay(user_cfg))
     if user_cfg.kind == "scripted":
         if env_cfg.domain != "builtin" or env_cfg.domains:
             raise DomainConfigError(f"user.kind: 'scripted' exists only for env.domain=builtin; use "
                                     f"user.kind=openai for {tau2_domains(env_cfg) or env_cfg.domain!r}")
         from muajax.domains.builtin.user import ScriptedUser
 
-        return ScriptedUser()
+        return ScriptedUser(delay=reply_delay(user_cfg))
     from muajax.domains.openai_user import MissingApiKeyError, OpenAIUserSimulator
 
     kwargs = dict(model=user_cfg.model, api_key_env=user_cfg.api_key_env, timeout_s=user_cfg.timeout_s,

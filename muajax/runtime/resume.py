@@ -57,6 +57,7 @@ MAY_CHANGE = ("run.name", "run.out_dir", "run.gpu_memory_fraction", "checkpoint.
               "rollout.mesh", "rollout.mesh.", "rollout.keep_kv_pool", "rollout.deterministic", "rollout.call_layout",
               "rollout.extend_tile", "rollout.decode_tile",
               "user.base_url", "user.api_key_env", "user.timeout_s", "user.max_retries", "user.max_concurrency",
+              "user.latency_s", "user.latency_jitter", "user.latency_distribution", "user.latency_seed",
               "grpo.max_consecutive_skips", "sft.max_consecutive_skips", "rollout.max_failed_share")
 _ABSENT = "(absent)"
 

@@ -13,7 +13,11 @@ Knobs (plain attributes, changeable while running) inject faults:
   `fail_status` (500 by default; 503 and 429 work too);
 - `stall_first` / `stall_rate`: hold the response for `stall_s` seconds, to push clients
   past their timeout;
-- `latency_s`: a normal delay for every request, which makes concurrency observable.
+- `latency_s`, `latency_jitter`, `latency_distribution`: a normal delay for every request,
+  which makes concurrency observable, drawn as the scripted users' is (a
+  `muajax.domains.latency.ReplyDelay`: mean, standard deviation over the mean, uniform or
+  lognormal) from its own stream seeded by `seed`, in order of arrival; `delays` keeps
+  each request's draw.
 
 Every request is recorded (`requests`, with its JSON body and headers) and the peak
 number of requests in flight is kept in `max_in_flight`. The Authorization header is
@@ -40,6 +44,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from muajax.domains.latency import ReplyDelay
 
 Script = Callable[[dict[str, Any]], Any]
 
@@ -71,6 +77,8 @@ class ScriptedOpenAIServer:
         stall_rate: float = 0.0,
         stall_s: float = 5.0,
         latency_s: float = 0.0,
+        latency_jitter: float = 0.0,
+        latency_distribution: str = "uniform",
         seed: int = 0,
     ):
         if not 0.0 <= fail_rate <= 1.0 or not 0.0 <= stall_rate <= 1.0:
@@ -79,8 +87,11 @@ class ScriptedOpenAIServer:
         self.model = model
         self.fail_first, self.fail_rate, self.fail_status = fail_first, fail_rate, fail_status
         self.stall_first, self.stall_rate, self.stall_s = stall_first, stall_rate, stall_s
-        self.latency_s = latency_s
+        self.latency_s, self.latency_jitter, self.latency_distribution = latency_s, latency_jitter, latency_distribution
+        ReplyDelay(latency_s, latency_jitter, latency_distribution)  # refuses a bad spec here, not per request
         self._rng = random.Random(seed)
+        self._latency_rng = random.Random(f"latency/{seed}")  # the fault draws stay as they were
+        self.delays: list[float] = []
         self._lock = threading.Lock()
         self._requests: list[RecordedRequest] = []
         self._chat_count = 0
@@ -224,7 +235,10 @@ class ScriptedOpenAIServer:
         index, action = self._decide()
         self._record(index, request, body, action)
         if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+            with self._lock:
+                delay = ReplyDelay(self.latency_s, self.latency_jitter, self.latency_distribution).draw(self._latency_rng)
+                self.delays.append(delay)
+            await asyncio.sleep(delay)
         if action == "failed":
             return _error(self.fail_status, f"injected failure on request {index}", "server_error")
         if action == "stalled":

@@ -9,6 +9,8 @@ request, and give up with ###STOP### after a few stalls or too many turns.
 A change-of-mind user switches variant (or withdraws a cancellation) the first time the
 agent lists options or asks for confirmation, so an agent that writes before asking
 writes the wrong thing.
+With a `ReplyDelay` (`user.latency_s`, muajax.domains.latency) each reply comes after a
+seeded delay, waited with asyncio.sleep; `respond` (the scripted expert's) never waits.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 from muajax.domains.base import EnvSession, Task
 from muajax.domains.builtin.tasks import DOMAIN, KINDS
 from muajax.domains.base import STOP, UserSession, UserSimulator, UserTurn
+from muajax.domains.latency import DelayStream, ReplyDelay, SessionDelays, answer_after
 
 MAX_AGENT_CHARS = 8000  # an assistant turn is at most ~1024 tokens; more is noise, not content
 
@@ -45,8 +48,9 @@ def _says(text: str, phrase: str) -> bool:
 
 
 class ScriptedUserSession(UserSession):
-    def __init__(self, task: Task, max_turns: int, max_stalls: int):
+    def __init__(self, task: Task, max_turns: int, max_stalls: int, delays: DelayStream | None = None):
         self.task = task
+        self.delays = delays
         self.meta: dict[str, Any] = task.metadata
         self.kind: str = self.meta["kind"]
         self.max_turns = max_turns
@@ -60,7 +64,7 @@ class ScriptedUserSession(UserSession):
         self.finished = False
 
     async def reply(self, agent_message: str) -> UserTurn:
-        return self.respond(agent_message)
+        return await answer_after(self.delays, lambda: self.respond(agent_message))
 
     def respond(self, agent_message: Any) -> UserTurn:
         """The synchronous core of `reply`: any input gives a UserTurn, never an exception."""
@@ -171,11 +175,12 @@ class ScriptedUserSession(UserSession):
 class ScriptedUser(UserSimulator):
     """Deterministic user for built-in tasks; `start` rejects tasks it cannot script."""
 
-    def __init__(self, max_turns: int = 10, max_stalls: int = 3):
+    def __init__(self, max_turns: int = 10, max_stalls: int = 3, delay: ReplyDelay | None = None):
         if max_turns < 1 or max_stalls < 1:
             raise ValueError(f"max_turns and max_stalls must be >= 1, got {max_turns}, {max_stalls}")
         self.max_turns = max_turns
         self.max_stalls = max_stalls
+        self.delays = SessionDelays(delay)
 
     def start(self, task: Task, env: EnvSession | None = None) -> ScriptedUserSession:
         if not isinstance(task, Task):
@@ -188,4 +193,4 @@ class ScriptedUser(UserSimulator):
         missing = [k for k in _REQUIRED[kind] if meta.get(k) in (None, "", [])]
         if missing:
             raise ValueError(f"task {task.task_id!r} ({kind}) lacks scenario fields {missing}")
-        return ScriptedUserSession(task, self.max_turns, self.max_stalls)
+        return ScriptedUserSession(task, self.max_turns, self.max_stalls, self.delays.start(task.task_id))
