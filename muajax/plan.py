@@ -20,7 +20,9 @@ trainer lets jax take, run.gpu_memory_fraction: an estimate). A TPU
 topology needs libtpu: pip install -e ".[tpu]".
 
 The last line printed is one JSON object: per_device_bytes (the peak over the phases),
-phases with their parts, fits, devices, compiler, and each program's costs. Exit status:
+phases with their parts, fits, devices, compiler, and each program's costs; with a rollout
+profile the step's seconds too: step_s (synchronous), async_step_s (grpo.max_staleness >= 1:
+the rollout overlapping the update, `planning.step_time`) and run_step_s (the config's). Exit status:
 0 fits (or nothing to judge against), 1 does not fit, 2 libtpu missing.
 """
 from __future__ import annotations
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
         summary["step_time"], lines = step_report(plan, profile=chosen, run_dir=args.calibrate,
                                                   rollout=rollout, hosts=len({d.process_index for d in devices}))
         prediction = summary["step_time"].get("prediction", summary["step_time"])  # a calibration nests it
-        summary.update({key: prediction[key] for key in ("rollout_s", "sync_s", "update_s", "step_s",
+        summary.update({key: prediction[key] for key in ("rollout_s", "sync_s", "update_s", "step_s", "async_step_s",
+                                                           "async_bound_s", "max_staleness", "run_step_s",
                                                            "tokens_per_s_per_chip", "update_mfu")})
         print("\n".join(lines))
     print(json.dumps(summary))

@@ -21,7 +21,8 @@ from muajax.agent.rollout_config import RolloutConfig
 from muajax.planning.rollout_profile import ProfileError, RolloutProfile
 from muajax.planning.rollout_schedule import Schedule
 from muajax.planning.run_profile import read_records
-from muajax.planning.step_time import Rates, StepSettings, predict_step, summary_lines
+from muajax.planning.report import summary_lines
+from muajax.planning.step_time import Rates, StepSettings, predict_step
 from muajax.runtime.rollout_engine import default_shape
 
 TOLERANCE = 0.35  # the calibration's bar: each phase's prediction within 35% of the measured median

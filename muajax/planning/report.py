@@ -1,4 +1,5 @@
-"""Text tables of a Plan: one per phase, part by part, and one of the programs' costs."""
+"""Text tables of a Plan: one per phase, part by part, and one of the programs' costs; and the
+lines of a predicted GRPO step (`step_time.predict_step`)."""
 from __future__ import annotations
 
 from muajax.planning.compile import COLLECTIVE_SHORT
@@ -92,3 +93,26 @@ def verdict_line(plan: Plan) -> str:
 
 def render(plan: Plan) -> str:
     return "\n".join([header(plan), "", phase_table(plan), "", programs_table(plan), "", verdict_line(plan)])
+
+
+def summary_lines(prediction: dict) -> list[str]:
+    """A predicted step's lines: the synchronous step and the asynchronous one beside it; the
+    config runs the one its `grpo.max_staleness` says."""
+    p, r, u = prediction, prediction["rollout"], prediction["update"]
+    staleness = p.get("max_staleness", 0)
+    mine = lambda runs: f" <- grpo.max_staleness {staleness}" if runs else ""
+    return [f"step {p['step_s']:.2f} s = rollout {p['rollout_s']:.2f} s + sync {p['sync_s']:.3f} s + update "
+            f"{p['update_s']:.2f} s (synchronous){mine(not staleness)}",
+            f"async step {p['async_step_s']:.2f} s = max(rollout, rollout - waits {r['wait_s']:.2f} s + sync + update) "
+            f"on shared devices (bound {p['async_bound_s']:.2f} s = max(rollout, sync + update)){mine(staleness)}",
+            f"  rollout: {r['engine_steps']:.0f} engine steps, {r['decode_calls']:.0f} decode calls "
+            f"({r['decode_s']:.2f} s), {r['extend_calls']:.0f} extend calls ({r['extend_s']:.2f} s), waiting "
+            f"{r['wait_s']:.2f} s; {r['sampled_tokens']:.0f} sampled tokens, longest row {r['longest_row']:.0f}",
+            f"  {r['layout']} calls: computed over real tokens, extends {r['extend_computed_over_real']:.2f}, "
+            f"decode {r['decode_computed_over_real']:.2f}",
+            "  update: not planned (--phases)" if not u["calls"] else
+            f"  update: {u['calls']} call(s) of {u['per_call_s']:.3f} s at length {u['length']:.0f}"
+            + (f", {u['rows']:.0f} rows" if "rows" in u else "")
+            + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),
+            f"  {p['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip; update MFU {p['update_mfu']:.1%} "
+            f"(step {p['step_mfu']:.1%}) on the real tokens, over the {'async' if staleness else 'synchronous'} step"]

@@ -1,6 +1,19 @@
 """A whole GRPO step's time, from a plan's compiled programs and a rollout profile.
 
-    step_s = rollout_s + sync_s + update_s
+    step_s       = rollout_s + sync_s + update_s                      (grpo.max_staleness 0)
+    async_step_s = max(rollout_s, rollout_s - wait_s + sync_s + update_s)    (1 and more)
+    async_bound_s = max(rollout_s, sync_s + update_s)
+
+With `grpo.max_staleness >= 1` the next batch's rollout runs while this batch updates: in
+the steady state a step is the longer of two streams, not their sum: a batch's rollout (its
+turns and its users' waits follow one another) and an update with its weight handoff (one
+per batch): `async_bound_s`, where the two contend for nothing. But the engine is laid out
+over the update's devices (`rollout.mesh`), and a device runs one program at a time: the
+engine's calls (`rollout_s - wait_s`: the rollout less its waits with nothing to decode),
+the sync and the update follow one another, and the update hides only in the rollout's
+waits for its users: `async_step_s`, at best (the update's calls taken to fill the waits
+exactly). `run_step_s` is the config's (`step_s`, or `async_step_s` with staleness); the
+throughput and MFU are over it.
 
 rollout_s  the rollout played through the engine's schedule call by call
            (`rollout_schedule.simulate`: decode chunks over the generating rows, extends
@@ -34,7 +47,6 @@ than a warm one). The draws of conversations are seeded:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -348,16 +360,25 @@ def _ratio(runs, computed: str, real: str) -> float:
     return sum(getattr(r, computed) for r in runs) / tokens if tokens else 0.0
 
 
+def step_seconds(rollout: float, wait: float, sync: float, update: float) -> dict:
+    """The synchronous step, the asynchronous one on shared devices and its bound (see above)."""
+    return {"step_s": rollout + sync + update, "async_step_s": max(rollout, rollout - wait + sync + update),
+            "async_bound_s": max(rollout, sync + update)}
+
+
 def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
     rollout = _mean(r.seconds for r in runs)
     sync = sync_seconds(engine_copy_bytes(plan), rates, plan.devices)
     update = _mean(u["seconds"] for u in updates)
-    step = rollout + sync + update
+    each = [step_seconds(r.seconds, r.wait_s, sync, u["seconds"]) for r, u in zip(runs, updates)]
+    steps = {k: _mean(e[k] for e in each) for k in each[0]}
+    staleness = int(getattr(plan.settings.grpo, "max_staleness", 0))
+    step = steps["async_step_s"] if staleness else steps["step_s"]
     sampled = _mean(r.sampled_tokens for r in runs) * settings.hosts
     useful = _mean(u["useful_flops"] for u in updates) * settings.hosts
     chip_s = plan.devices * rates.peak_flops
     return {
-        "rollout_s": rollout, "sync_s": sync, "update_s": update, "step_s": step,
+        "rollout_s": rollout, "sync_s": sync, "update_s": update, **steps, "max_staleness": staleness,
         "rollout": {"decode_s": _mean(r.decode_s for r in runs), "extend_s": _mean(r.extend_s for r in runs),
                     "wait_s": _mean(r.wait_s for r in runs), "engine_steps": _mean(r.steps for r in runs),
                     "decode_calls": _mean(r.decode_calls for r in runs),
@@ -374,26 +395,6 @@ def _summary(plan, rates: Rates, settings: StepSettings, runs, updates) -> dict:
         "tokens_per_s_per_chip": sampled / step / plan.devices if step > 0 else 0.0,
         "update_mfu": useful / (update * chip_s) if update > 0 else 0.0,
         "step_mfu": useful / (step * chip_s) if step > 0 and update > 0 else 0.0,
-        "rates": dataclasses.asdict(rates), "samples": len(runs),
+        "run_step_s": step, "rates": dataclasses.asdict(rates), "samples": len(runs),
     }
 
-
-def summary_lines(prediction: dict) -> list[str]:
-    p, r, u = prediction, prediction["rollout"], prediction["update"]
-    return [f"step {p['step_s']:.2f} s = rollout {p['rollout_s']:.2f} s + sync {p['sync_s']:.3f} s + update "
-            f"{p['update_s']:.2f} s",
-            f"  rollout: {r['engine_steps']:.0f} engine steps, {r['decode_calls']:.0f} decode calls "
-            f"({r['decode_s']:.2f} s), {r['extend_calls']:.0f} extend calls ({r['extend_s']:.2f} s), waiting "
-            f"{r['wait_s']:.2f} s; {r['sampled_tokens']:.0f} sampled tokens, longest row {r['longest_row']:.0f}",
-            f"  {r['layout']} calls: computed over real tokens, extends {r['extend_computed_over_real']:.2f}, "
-            f"decode {r['decode_computed_over_real']:.2f}",
-            f"  update: not planned (--phases)" if not u["calls"] else
-            f"  update: {u['calls']} call(s) of {u['per_call_s']:.3f} s at length {u['length']:.0f}"
-            + (f", {u['rows']:.0f} rows" if "rows" in u else "")
-            + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),
-            f"  {p['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip; update MFU {p['update_mfu']:.1%} "
-            f"(step {p['step_mfu']:.1%}) on the real tokens"]
-
-
-def is_finite(prediction: dict) -> bool:
-    return all(math.isfinite(prediction[k]) for k in ("rollout_s", "sync_s", "update_s", "step_s"))

@@ -45,7 +45,7 @@ from muajax.planning.programs import engine_programs, grpo_program
 from muajax.planning.report import fmt_bytes, fmt_seconds
 from muajax.planning.sweep_step import engine_costs, with_step
 
-STEP_KEYS = ("rollout_s", "sync_s", "update_s", "step_s")
+STEP_KEYS = ("rollout_s", "sync_s", "update_s", "step_s", "async_step_s")
 
 
 def mesh_candidates(num_devices: int, axes: tuple[str, ...] = parallel.MESH_AXES) -> list[dict[str, int]]:
@@ -96,7 +96,7 @@ class SweepRow:
     costs: dict | None = None
     compile_s: float = 0.0
     note: str = ""
-    step: dict | None = None      # with a rollout profile: rollout_s, sync_s, update_s, step_s (predict_step)
+    step: dict | None = None      # with a rollout profile: rollout_s, sync_s, update_s, step_s, ... (predict_step)
 
     def flat(self) -> dict:
         line = self.roofline or {}
@@ -119,9 +119,10 @@ def _label(row: SweepRow) -> str:
 
 def seconds(row: SweepRow) -> float:
     """What a sweep ranks by: the whole step's predicted seconds where it has a rollout
-    profile, else the update's roofline estimate."""
+    profile (the step the config runs: asynchronous with grpo.max_staleness), else the
+    update's roofline estimate."""
     if row.step:
-        return row.step["step_s"]
+        return row.step.get("run_step_s", row.step["step_s"])
     return (row.roofline or {}).get("estimate_s", math.inf)
 
 
@@ -296,7 +297,7 @@ class Journal:
 def table(rows: list[SweepRow], hbm_bytes: int | None) -> str:
     stepped = any(r.step for r in rows)
     head = f"{'mesh / remat':<26}{'status':<9}{'per device':>13}{'estimate':>12}{'serial':>12}  {'bound':<11}"
-    lines = [head + (f"{'rollout':>10}{'sync':>10}{'update':>10}{'step':>10}" if stepped else "")]
+    lines = [head + (f"{'rollout':>10}{'sync':>10}{'update':>10}{'step':>10}{'async':>10}" if stepped else "")]
     for r in rows:
         line = r.roofline or {}
         est = fmt_seconds(line["estimate_s"]) if line else "-"
@@ -308,8 +309,10 @@ def table(rows: list[SweepRow], hbm_bytes: int | None) -> str:
             text += "".join(f"{fmt_seconds(r.step[k]):>10}" for k in STEP_KEYS)
         lines.append(text)
     if stepped:
+        asynchronous = any(r.step.get("max_staleness") for r in rows if r.step)
         lines.append("estimate / serial: the update's roofline; rollout, sync, update, step: the whole GRPO step "
-                     "predicted for the rollout profile (ranked by step)")
+                     "predicted for the rollout profile; async: the step with grpo.max_staleness >= 1, the rollout "
+                     f"overlapping the update (ranked by {'async' if asynchronous else 'step'})")
     if hbm_bytes:
         lines.append(f"usable HBM per device {fmt_bytes(hbm_bytes)}")
     return "\n".join(lines)
@@ -345,8 +348,11 @@ def chart(rows: list[SweepRow], path: str, title: str, hbm_bytes: int | None) ->
             left.barh(y, widths, left=base, color=color, label=key.removesuffix("_s"),
                       edgecolor=["none" if r.status == "fits" else "tab:red" for r in shown])
             base = [b + w for b, w in zip(base, widths)]
+        left.scatter([(r.step or {}).get("async_step_s", 0.0) for r in shown], list(y), marker="|", s=300,
+                     color="black", zorder=3, label="async step")
         left.legend(loc="lower right")
-        left.set_xlabel("predicted GRPO step, s (rollout + sync + update)\n(red edge: does not fit)")
+        left.set_xlabel("predicted GRPO step, s (rollout + sync + update; |: overlapped, grpo.max_staleness >= 1)"
+                        "\n(red edge: does not fit)")
     else:
         left.barh(y, [(r.roofline or {}).get("estimate_s", 0.0) for r in shown], color=colors)
         left.set_xlabel("estimated update time, s\n(roofline: slowest of compute, HBM, collectives)")

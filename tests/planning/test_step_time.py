@@ -208,7 +208,7 @@ def test_a_rollout_only_plan_predicts_the_rollout_and_no_update():
     plan.programs = [p for p in plan.programs if p.name != "grpo step"]  # --phases rollout
     p = predict_step(plan, _profile(2.0), RATES, step_settings(plan, _rollout()), samples=1)
     assert p["rollout_s"] > 0 and p["update_s"] == 0.0 and p["step_s"] == p["rollout_s"] + p["sync_s"]
-    from muajax.planning.step_time import summary_lines
+    from muajax.planning.report import summary_lines
     assert "update: not planned" in "\n".join(summary_lines(p))
 
 
