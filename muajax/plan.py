@@ -43,7 +43,7 @@ from muajax.chips import get_chip
 from muajax.planning.planner import PHASES, PlanSettings, from_train_config, plan_run
 from muajax.planning.programs import EngineSettings
 from muajax.planning.profile_mix import default_profile
-from muajax.planning.rollout_profile import RolloutProfile
+from muajax.planning.rollout_profile import Distribution, RolloutProfile
 from muajax.planning.run_config import domain_facts, model_from_config
 from muajax.planning.topology import LibtpuMissingError, devices_for, judged_hbm, parse_topology
 from muajax.rl.grpo import GRPOConfig
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="plans/sweep", help="where --sweep writes sweep.csv, sweep.json and sweep.png")
     p.add_argument("--rollout-profile", default=None, metavar="PATH_OR_RUN_DIR", help="predict the GRPO step's "
                    "time for this rollout profile (configs/profiles/*.json, or a run directory's metrics)")
+    p.add_argument("--user-latency", type=float, default=None, metavar="SECONDS", help="each user reply arrives "
+                   "this long after the agent's turn (default: the profile's; τ2's shipped profiles record none: 0). "
+                   "It lengthens the rollout, and the asynchronous step hides the update in those waits")
     p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="the predicted step time beside this run's "
                    "measured medians (its own profile unless --rollout-profile)")
     return p
@@ -195,15 +198,22 @@ def smallest_microbatches(settings: PlanSettings, args, sizes: dict[str, int]) -
 
 def rollout_profile(args, facts=None) -> RolloutProfile | None:
     """--rollout-profile's, else with --config the shipped profiles of its τ2 domains mixed by
-    their training tasks (`profile_mix.default_profile`), else None (no step time)."""
+    their training tasks (`profile_mix.default_profile`), else None (no step time); with
+    --user-latency, its users answer after that many seconds."""
     if args.rollout_profile:
-        return RolloutProfile.load(args.rollout_profile)
-    if facts is None:
+        profile = RolloutProfile.load(args.rollout_profile)
+    elif facts is None:
         return None
-    profile = default_profile(facts.train_tasks)
-    if profile is not None:
-        print(f"plan: rollout profile {profile.name} (the shipped τ2 profiles; --rollout-profile to choose)",
-              flush=True)
+    else:
+        profile = default_profile(facts.train_tasks)
+        if profile is not None:
+            print(f"plan: rollout profile {profile.name} (the shipped τ2 profiles; --rollout-profile to choose)",
+                  flush=True)
+    if profile is not None and args.user_latency is not None:
+        if args.user_latency < 0:
+            raise SystemExit(f"plan: --user-latency {args.user_latency}: seconds, at least 0")
+        profile = dataclasses.replace(profile, name=f"{profile.name}, users answering in {args.user_latency:g} s",
+                                      user_latency_s=Distribution(args.user_latency))
     return profile
 
 

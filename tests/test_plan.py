@@ -172,3 +172,18 @@ def test_argument_parsing():
         parse_mesh("pipeline=2")
     with pytest.raises(argparse.ArgumentTypeError, match="data=N"):
         parse_mesh("fsdp=0")
+
+
+def test_user_latency_sets_the_profile_s_users_reply_time():
+    from muajax.plan import build_parser, rollout_profile
+
+    args = build_parser().parse_args(["--model", "qwen3-0.6b", "--rollout-profile",
+                                      "configs/profiles/tau2-retail.json", "--user-latency", "2"])
+    profile = rollout_profile(args)
+    assert profile.user_latency_s.mean == 2.0 and profile.user_latency_s.quantile(0.9) == 2.0
+    assert profile.name == "tau2-retail, users answering in 2 s"
+    shipped = rollout_profile(build_parser().parse_args(["--rollout-profile", "configs/profiles/tau2-retail.json"]))
+    assert shipped.user_latency_s.mean == 0.0 and shipped.agent_turns == profile.agent_turns
+    with pytest.raises(SystemExit, match="at least 0"):
+        rollout_profile(build_parser().parse_args(["--rollout-profile", "configs/profiles/tau2-retail.json",
+                                                   "--user-latency", "-1"]))
