@@ -52,8 +52,10 @@ def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
 
 class _Driver:
     def __init__(self, engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task],
-                 options: RolloutConfig, seed: int, first_task_index: int = 0):
+                 options: RolloutConfig, seed: int, first_task_index: int = 0, weights=None):
         self.engine, self.tok, self.env, self.user = engine, tokenizer, env, user
+        self.weights = weights  # partial rollouts: newer weights are taken between engine calls
+        self.turn_version: dict[int, int] = {}  # slot -> the oldest version its current turn sampled with
         self.tasks, self.opts, self.seed, self.first_task_index = list(tasks), options, seed, first_task_index
         self.max_context = options.max_context
         if self.max_context > engine.max_len:
@@ -112,9 +114,24 @@ class _Driver:
             self.engine.start(conv.slot, self.opts.sampling(conv.budget()))
         self.stats["peak_live"] = max(self.stats["peak_live"], len(self.live))
 
+    def _engine_step(self):
+        """One engine call (in the engine thread): first the newest published weights, with
+        partial rollouts; then every generating conversation's turn is marked with the
+        version it samples with (a turn spanning an update keeps the oldest)."""
+        engine = self.engine
+        newest = self.weights.newest() if self.weights is not None else None
+        if newest is not None and newest[0] > engine.version:
+            engine.adopt(*newest)
+        version = getattr(engine, "version", 0)
+        for slot in self.live:
+            if engine.is_generating(slot):
+                self.turn_version[slot] = min(self.turn_version.get(slot, version), version)
+        return engine.step()
+
     def _on_generation(self, gen) -> None:
         conv = self.live[gen.slot]
         route = conv.on_generation(gen.tokens, gen.logprobs, gen.finish_reason)
+        conv.record.versions.append(self.turn_version.pop(gen.slot, getattr(self.engine, "version", 0)))
         self._check_sync(conv)
         if route.kind == END:
             self._finish(conv)
@@ -195,7 +212,7 @@ class _Driver:
                     self._handle(self.inbox.get_nowait())
                 generating = any(engine.is_generating(s) for s in self.live)
                 if generating and (self.opts.overlap_io or not self.in_flight):
-                    generations = await asyncio.wrap_future(engine_pool.submit(engine.step))
+                    generations = await asyncio.wrap_future(engine_pool.submit(self._engine_step))
                     self.stats["steps"] += 1
                     for gen in generations:
                         self._on_generation(gen)
@@ -241,7 +258,7 @@ class _Driver:
 
 async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task], *,
                        options: RolloutConfig | None = None, seed: int = 0, first_task_index: int = 0,
-                       **overrides) -> RolloutBatch:
+                       weights=None, **overrides) -> RolloutBatch:
     """Roll out every task `n_per_task` times; returns the trajectories ordered by (task, rollout).
 
     `overrides` are `RolloutConfig` fields (e.g. `n_per_task=4, max_turns=10`) applied on
@@ -249,15 +266,28 @@ async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSi
     call opens are released when it returns or raises.
     `tasks` may be one process's share of a step that starts at task `first_task_index`: seeds
     and group ids are then those the whole step gives them (`muajax.runtime.distributed`).
+    `weights` (partial rollouts, `muajax.train.async_grpo`): its `newest()` is (version,
+    prepared params) or None; newer ones are adopted by the engine between its calls. Each
+    trajectory's `versions` are its turns' (the engine's `version`, 0 for a plain Engine).
     """
     options = (dataclasses.replace(options, **overrides) if options is not None
                else RolloutConfig.for_engine(engine.max_len, **overrides))
     if not tasks:
         return RolloutBatch([], {"wall_s": 0.0, "device_s": 0.0, "busy_share": 0.0, "conversations": 0})
-    return await _Driver(engine, tokenizer, env, user, tasks, options, seed, first_task_index).run()
+    return await _Driver(engine, tokenizer, env, user, tasks, options, seed, first_task_index, weights).run()
 
 
 _thread_loops = threading.local()
+
+
+def rollout_loop() -> asyncio.AbstractEventLoop:
+    """This thread's rollout event loop, the one `run_rollouts_sync` runs on. Another thread
+    may run it while this one does not (asynchronous GRPO's rollout thread does), so a user
+    simulator bound to it keeps working for this thread's later calls."""
+    loop = getattr(_thread_loops, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _thread_loops.loop = asyncio.new_event_loop()
+    return loop
 
 
 def run_rollouts_sync(*args, **kwargs) -> RolloutBatch:
@@ -269,7 +299,4 @@ def run_rollouts_sync(*args, **kwargs) -> RolloutBatch:
         pass
     else:
         raise RuntimeError("run_rollouts_sync was called from a running event loop: `await run_rollouts(...)`")
-    loop = getattr(_thread_loops, "loop", None)
-    if loop is None or loop.is_closed():
-        loop = _thread_loops.loop = asyncio.new_event_loop()
-    return loop.run_until_complete(run_rollouts(*args, **kwargs))
+    return rollout_loop().run_until_complete(run_rollouts(*args, **kwargs))

@@ -66,6 +66,9 @@ class Trajectory:
     user_latency_s: list[float] = dataclasses.field(default_factory=list)
     assistant_texts: list[str] = dataclasses.field(default_factory=list)  # decoded, as routed
     sampled_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # [start, end) per turn
+    # per sampled span: the oldest policy version (updates applied) among the weights that
+    # sampled its tokens (the engine's `version`; several with partial rollouts)
+    versions: list[int] = dataclasses.field(default_factory=list)
     error: str | None = None  # the user/setup/evaluation error behind an error termination
     wall_s: float = 0.0  # admission to end of episode
     domain: str = ""  # the task's domain (evaluations report each domain on its own)
@@ -82,6 +85,11 @@ class Trajectory:
     @property
     def user_latency_total_s(self) -> float:
         return float(sum(self.user_latency_s))
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version that sampled any of its tokens (None: it sampled none)."""
+        return min(self.versions) if self.versions else None
 
     @property
     def num_sampled(self) -> int:

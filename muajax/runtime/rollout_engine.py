@@ -97,6 +97,7 @@ class RolloutEngine(Engine):
     processes the copy is a collective: every process assigns at the same point of the run."""
 
     def __init__(self, params, cfg: Qwen3Config, *, mesh: Mesh, train_mesh: Mesh, **kwargs):
+        self.version = 0  # the policy version (updates applied) of the params it decodes from
         self.copy_dtype = copy_dtype(cfg)
         self.param_shardings = param_shardings(cfg, mesh)
         self.copies = copies_params(cfg, mesh, train_mesh, distributed.multiprocess())
@@ -121,9 +122,32 @@ class RolloutEngine(Engine):
             return distributed.local_replicas(params, self.param_shardings)
         return jax.device_put(params, self.param_shardings)
 
+    def prepare(self, params):
+        """The engine's copy of `params` in buffers of its own, for a later `adopt`: the
+        weight handoff of asynchronous GRPO, where the update that follows donates the
+        params' buffers while the engine still decodes from this copy. A collective with
+        several processes (as assigning `params` is)."""
+        copy = self._copy(params) if self.copies else params
+        return jax.tree.map(lambda c, p: c.copy() if c is p or _same_buffer(c, p) else c, copy, params)
+
+    def adopt(self, version: int, prepared) -> None:
+        """Decode from `prepared` (a `prepare`d copy) from the next call on: between calls,
+        never inside one. Shared prefixes computed for the old weights are dropped."""
+        self._params = self._source = prepared
+        self.version = int(version)
+
     def release_params(self) -> None:
         """Let go of the params (the copy's memory); the next assignment makes a new copy."""
         self._params = self._source = None
+
+
+def _same_buffer(a, b) -> bool:
+    """Whether two arrays share a device buffer (a no-op `device_put` returns an alias)."""
+    try:
+        return any(x.device == y.device and x.data.unsafe_buffer_pointer() == y.data.unsafe_buffer_pointer()
+                   for x, y in zip(a.addressable_shards, b.addressable_shards))
+    except Exception:  # noqa: BLE001 - a backend without buffer pointers: copy to be safe
+        return True
 
 
 def free_device_bytes(mesh: Mesh) -> int | None:

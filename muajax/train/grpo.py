@@ -13,20 +13,24 @@ as if uninterrupted.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muajax.agent.rollout import run_rollouts_sync
+from muajax.agent.rollout import rollout_loop, run_rollouts, run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.settings.fields import config_to_dict
 from muajax.models.flops import forward_flops, real_token_flops, train_step_flops
 from muajax.runtime import distributed
 from muajax.runtime.grpo_layout import check_batch, grpo_layout, system_prompt_prefix
+from muajax.train.async_grpo import Batch, RolloutAhead, WeightBoard, staleness
 from muajax.train.context import RunContext
-from muajax.train.loop import CheckpointHook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
+from muajax.train.loop import CheckpointHook, Hook, MetricsHook, NonFiniteHook, ProfileHook, ProgressHook, run_steps
 from muajax.train.metrics import flatten_metrics
 from muajax.train.step_metrics import call_without_compile, perf_record
 
@@ -134,8 +138,76 @@ def reference_params(params, grpo, shardings):
     return jax.device_put(params, shardings)
 
 
-def run_grpo(ctx: RunContext, params):
-    """GRPO from `params` (also the KL reference); returns the trained params."""
+ENGINE_COUNTERS = ("preemptions", "prefix_hits", "decode_calls", "extend_calls")
+
+
+def engine_delta(engine, before: dict) -> dict[str, float]:
+    """What the engine did since `before` (its stats then): device seconds and counters."""
+    return {k: engine.stats[k] - before[k] for k in ("device_s", *ENGINE_COUNTERS)}
+
+
+@dataclasses.dataclass
+class GRPOStage:
+    """What every step of a GRPO run shares: the update, the task stream, the checkpoints."""
+    ctx: RunContext
+    layout: Any
+    step_fn: Any
+    old_logprobs_fn: Any
+    reference: Any
+    stream: TaskStream
+    ckpt: Any
+    steps: int
+    start: int
+    peak: float | None = None
+
+    def train(self, state, index: int, trajectories, position: int, *, first: int, t0: float, t_rollout: float,
+              engine: dict[str, float]):
+        """Step `index`'s update on this process's `trajectories` (task stream at `position`
+        before them, its first task `first`): the new state, the step's record and every
+        process's trajectories. `engine`: what the engine did rolling them out."""
+        ctx, g = self.ctx, self.ctx.cfg.grpo
+        everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
+        stop_on_failures(ctx, self.ckpt, index, state, everyone, position)
+        parts = self.layout.update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, first_group=first)
+        for part in parts:
+            check_batch(part, self.layout)
+        t1 = time.time()
+        (state, metrics, shapes), compute_s = call_without_compile(
+            lambda: _update(self.step_fn, state, parts, self.reference, g, self.old_logprobs_fn))
+        t_update = time.time() - t1
+        counted = dict(shared_prefix=self.layout.shared_prefix, microbatches=self.layout.microbatches,
+                       recomputed=self.old_logprobs_fn is not None)
+        padded_flops = update_flops(ctx, shapes, **counted)
+        flops = real_update_flops(ctx, [len(t.tokens) for t in everyone], updates=len(parts), **counted)
+        sampled = int(sum(t.num_sampled for t in everyone))
+        record = {**flatten_metrics(rollout_metrics(everyone)), **metrics,
+                  "time/rollout_s": t_rollout, "time/update_s": t_update,
+                  "time/engine_busy_share": engine["device_s"] / max(t_rollout, 1e-9),
+                  **{f"engine/{k}": engine[k] for k in ENGINE_COUNTERS},
+                  "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
+                  "data/position": self.stream.position,
+                  **perf_record(flops, compute_s, ctx.mesh.size, self.peak, padded_flops=padded_flops)}
+        return state, record, everyone
+
+    def hooks(self) -> list:
+        ctx, steps, start = self.ctx, self.steps, self.start
+        return [ProfileHook(ctx.profile_window(None)),  # first: the trace ends before the others' work
+                MetricsHook(ctx.metrics_writer(None, start)),
+                ProgressHook(ctx.progress(steps, start=start), steps,
+                             show=lambda rec: {"reward": rec.get("reward", 0.0), "kl": rec.get("kl", 0.0),
+                                               "tokens_per_s": rec["throughput/sampled_tokens_per_s"]},
+                             line=lambda i, rec: f"[grpo] step {i}/{steps}: reward {rec.get('reward', 0.0):.3f}, "
+                                                 f"kl {rec.get('kl', 0.0):.4f}, rollout {rec['time/rollout_s']:.1f}s, "
+                                                 f"update {rec['time/update_s']:.1f}s"
+                                                 + (f", {rec['failed_rollouts']:g} failed rollouts"
+                                                    if rec.get("failed_rollouts") else "")),
+                CheckpointHook(self.ckpt, steps, config=config_to_dict(ctx.cfg),
+                               extra=lambda i: {"data_position": self.stream.position}),
+                NonFiniteHook(ctx.cfg.grpo.max_consecutive_skips, "grpo.max_consecutive_skips")]
+
+
+def grpo_stage(ctx: RunContext, params):
+    """The stage's shared parts and its starting state (restored with `ctx.resume`)."""
     cfg, r, g = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo
     tasks = ctx.train_tasks()
     steps = g.steps or max(1, g.epochs * len(tasks) // r.tasks_per_step)
@@ -145,19 +217,31 @@ def run_grpo(ctx: RunContext, params):
     old_logprobs_fn = layout.make_old_logprobs_fn(ctx.model_cfg, ctx.mesh, g)
     reference = reference_params(params, g, step_fn.param_shardings) if g.uses_reference else None
     state = step_fn.init_state(params)
-    stream = TaskStream(tasks, cfg.run.seed)
-    ckpt = ctx.checkpointer("grpo")
-    start = 0
+    stage = GRPOStage(ctx, layout, step_fn, old_logprobs_fn, reference, TaskStream(tasks, cfg.run.seed),
+                      ctx.checkpointer("grpo"), steps, 0)
     if ctx.resume:
-        restored = ckpt.restore_latest(state)
+        restored = stage.ckpt.restore_latest(state)
         if restored is not None:
-            start, state = restored.step, restored.state
-            stream.position = int(restored.data_position or 0)
-            print(f"[grpo] resumed at step {start} (task stream position {stream.position})", flush=True)
+            stage.start, state = restored.step, restored.state
+            stage.stream.position = int(restored.data_position or 0)
+            print(f"[grpo] resumed at step {stage.start} (task stream position {stage.stream.position})", flush=True)
+    return stage, state
+
+
+def run_grpo(ctx: RunContext, params, *, hooks: Sequence[Hook] = ()):
+    """GRPO from `params` (also the KL reference); returns the trained params. With
+    `grpo.max_staleness` >= 1 the rollouts run ahead of the updates (`run_async_grpo`).
+    `hooks` run after the stage's own (e.g. a benchmark's clock)."""
+    stage, state = grpo_stage(ctx, params)
+    if ctx.cfg.grpo.max_staleness > 0:
+        return run_async_grpo(stage, state, hooks=hooks)
+    cfg, r = ctx.cfg, ctx.cfg.rollout
+    stream = stage.stream
 
     def step(state, index):
         t0 = time.time()
         engine = ctx.engine(state.params)
+        engine.version = index
         before = dict(engine.stats)
         # multi-host: this process rolls out its contiguous share of the step's tasks (one
         # process: all of them) under their global indices, so seeds and group ids are the step's
@@ -166,44 +250,57 @@ def run_grpo(ctx: RunContext, params):
         trajectories = run_rollouts_sync(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
                                          seed=step_seed(cfg.run.seed, index), first_task_index=first)
         t_rollout = time.time() - t0
+        done = engine_delta(engine, before)
         ctx.engine_idle()  # the update gets the memory of the engine's params copy (and pool)
-        everyone = distributed.gather_for_metrics(trajectories)  # multi-host: the whole step's, on every process
-        stop_on_failures(ctx, ckpt, index, state, everyone, position)
-        parts = layout.update_batches(trajectories, g, mesh=ctx.mesh, pad_id=ctx.pad_id, first_group=first)
-        for part in parts:
-            check_batch(part, layout)
-        t1 = time.time()
-        (state, metrics, shapes), compute_s = call_without_compile(
-            lambda: _update(step_fn, state, parts, reference, g, old_logprobs_fn))
-        t_update = time.time() - t1
-        counted = dict(shared_prefix=layout.shared_prefix, microbatches=layout.microbatches,
-                       recomputed=old_logprobs_fn is not None)
-        padded_flops = update_flops(ctx, shapes, **counted)
-        flops = real_update_flops(ctx, [len(t.tokens) for t in everyone], updates=len(parts),
-                                  **counted)
-        trajectories = everyone
-        sampled = int(sum(t.num_sampled for t in trajectories))
-        record = {**flatten_metrics(rollout_metrics(trajectories)), **metrics,
-                  "time/rollout_s": t_rollout, "time/update_s": t_update,
-                  "time/engine_busy_share": (engine.stats["device_s"] - before["device_s"]) / max(t_rollout, 1e-9),
-                  **{f"engine/{k}": engine.stats[k] - before[k] for k in ("preemptions", "prefix_hits", "decode_calls",
-                                                                               "extend_calls")},
-                  "throughput/sampled_tokens_per_s": sampled / max(time.time() - t0, 1e-9),
-                  "data/position": stream.position,
-                  **perf_record(flops, compute_s, ctx.mesh.size, peak, padded_flops=padded_flops)}
+        state, record, _ = stage.train(state, index, trajectories, position, first=first, t0=t0,
+                                       t_rollout=t_rollout, engine=done)
         return state, record
 
-    peak = ctx.peak_flops_per_device  # before the first step: on a CPU it is measured
-    hooks = [ProfileHook(ctx.profile_window(None)),  # first: the trace ends before the others' work
-             MetricsHook(ctx.metrics_writer(None, start)),
-             ProgressHook(ctx.progress(steps, start=start), steps,
-                          show=lambda rec: {"reward": rec.get("reward", 0.0), "kl": rec.get("kl", 0.0),
-                                            "tokens_per_s": rec["throughput/sampled_tokens_per_s"]},
-                          line=lambda i, rec: f"[grpo] step {i}/{steps}: reward {rec.get('reward', 0.0):.3f}, "
-                                              f"kl {rec.get('kl', 0.0):.4f}, rollout {rec['time/rollout_s']:.1f}s, "
-                                              f"update {rec['time/update_s']:.1f}s"
-                                              + (f", {rec['failed_rollouts']:g} failed rollouts"
-                                                 if rec.get("failed_rollouts") else "")),
-             CheckpointHook(ckpt, steps, config=config_to_dict(cfg), extra=lambda i: {"data_position": stream.position}),
-             NonFiniteHook(g.max_consecutive_skips, "grpo.max_consecutive_skips")]
-    return run_steps(state, start, steps, step, hooks).params
+    stage.peak = ctx.peak_flops_per_device  # before the first step: on a CPU it is measured
+    return run_steps(state, stage.start, stage.steps, step, [*stage.hooks(), *hooks]).params
+
+
+def run_async_grpo(stage: GRPOStage, state, *, hooks: Sequence[Hook] = ()):
+    """`run_grpo` with the next batches rolling out during each update (module
+    `muajax.train.async_grpo`: versions, the handoff, the bound, resume)."""
+    ctx = stage.ctx
+    cfg, r, s = ctx.cfg, ctx.cfg.rollout, ctx.cfg.grpo.max_staleness
+    stage.peak = ctx.peak_flops_per_device  # measured before the rollout thread starts
+    engine = ctx.engine(None)
+    board = WeightBoard()
+    board.publish(stage.start, engine.prepare(state.params))
+    ahead_stream = TaskStream(stage.stream.tasks, cfg.run.seed, stage.stream.position)  # the rollout thread's
+
+    async def rollout(index, version, params):
+        engine.adopt(version, params)
+        before, position, t0 = dict(engine.stats), ahead_stream.position, time.time()
+        first, chosen = distributed.task_share(ahead_stream.take(r.tasks_per_step))
+        trajectories = await run_rollouts(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
+                                          seed=step_seed(cfg.run.seed, index), first_task_index=first,
+                                          weights=board if r.partial else None)
+        return Batch(index, trajectories, position, ahead_stream.position, version, time.time() - t0, 0.0,
+                     first_task=first, info=engine_delta(engine, before))
+
+    def step(state, index):
+        t0 = time.time()
+        batch = ahead.get(index)
+        waited = time.time() - t0
+        staleness(batch.trajectories, index, s)  # every row, before it is trained
+        state, record, everyone = stage.train(state, index, batch.trajectories, batch.position,
+                                              first=batch.first_task, t0=t0, t_rollout=batch.rollout_s,
+                                              engine=batch.info)
+        stage.stream.position = batch.next_position
+        if index + 1 < stage.steps:  # the handoff: the engine's copy of version index + 1
+            board.publish(index + 1, engine.prepare(state.params))
+        record.update({**staleness(everyone, index, s), "async/batch_wait_s": waited,
+                       "async/weights_wait_s": batch.weights_wait_s, "async/rollout_version": float(batch.version),
+                       "data/position": stage.stream.position})
+        return state, record
+
+    ahead = RolloutAhead(rollout, board, start=stage.start, total=stage.steps, max_staleness=s,
+                         partial=r.partial, loop=rollout_loop())
+    try:
+        return run_steps(state, stage.start, stage.steps, step, [*stage.hooks(), *hooks]).params
+    finally:
+        ahead.close()
+        ctx.engine_idle()
