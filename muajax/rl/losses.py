@@ -6,7 +6,11 @@ Conventions follow verl (the code MUA-RL forked), so its settings carry over:
   * the k3 KL is verl's "low_var_kl": its log-ratio clamped to [-20, 20] before exp
     (which keeps exp finite) and the result clamped to [-kl_clamp, kl_clamp] (verl: 10);
   * the policy log-ratio is clamped to [-20, 20] before exp, as verl does, so one
-    wild token cannot turn the loss or its gradient into inf / nan.
+    wild token cannot turn the loss or its gradient into inf / nan;
+  * off-policy data (decoupled PPO, `muajax.rl.off_policy`): given the behaviour policy's
+    logprobs, old_logprobs are the proximal policy's and each token's pg loss may be
+    weighted by a truncated, detached importance weight pi_prox / pi_behav. Without them
+    the loss is exactly the on-policy one.
 
 Every reduction is written as (sum, count) so that microbatches combine exactly:
 `policy_loss_terms` returns the numerator, the denominator and the metric sums of one
@@ -32,13 +36,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from muajax.rl.off_policy import behaviour_weight, check_cap, finalize_off_policy
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0
 
-_STATIC = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_estimator", "kl_clamp", "agg", "ratio_level")
+_STATIC = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_estimator", "kl_clamp", "agg", "ratio_level",
+           "behaviour_is_cap")
 METRIC_SUM_KEYS = ("num_tokens", "num_seqs", "clip_low_count", "clip_high_count", "dual_clip_count",
                    "kl_sum", "ratio_sum", "ratio_dev_sum", "ppo_kl_sum", "pg_loss_sum")
 
@@ -67,12 +74,15 @@ def _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_cla
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
 
 
-def _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, packed: bool = False) -> None:
+def _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, packed: bool = False,
+                  behaviour_logprobs=None) -> None:
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {logprobs.shape}")
     named = {"old_logprobs": old_logprobs, "loss_mask": loss_mask}
     if ref_logprobs is not None:
         named["ref_logprobs"] = ref_logprobs
+    if behaviour_logprobs is not None:
+        named["behaviour_logprobs"] = behaviour_logprobs
     for name, arr in named.items():
         if arr.shape != logprobs.shape:
             raise ValueError(f"{name} must have the shape of logprobs {logprobs.shape}, got {arr.shape}")
@@ -132,12 +142,33 @@ class _Sequences:
         return real.astype(jnp.float32).sum()
 
 
+def _clipped_pg(ratio, adv, mask, clip_low, clip_high, dual_clip):
+    """Per-token clipped (and dual-clipped) pg loss, 0 off the mask, and the boolean [B, T]
+    tokens where the low clip, the high clip and the dual clip are active."""
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    # The clip is active exactly where it raises the loss; which side depends on sign(A).
+    clipped = pg_clipped > pg_unclipped
+    pg = jnp.where(clipped, pg_clipped, pg_unclipped)
+    clip_high_tok = mask & clipped & (adv > 0)
+    clip_low_tok = mask & clipped & (adv < 0)
+    if dual_clip is not None:
+        pg_cap = -adv * dual_clip
+        dual_tok = (adv < 0) & (pg > pg_cap)
+        pg = jnp.where(dual_tok, pg_cap, pg)
+        dual_tok = dual_tok & mask
+    else:
+        dual_tok = jnp.zeros_like(mask)
+    return jnp.where(mask, pg, 0.0), clip_low_tok, clip_high_tok, dual_tok
+
+
 def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low, clip_high,
            dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level, segment_ids=None, num_segments=None,
-           sum_norm=None):
+           sum_norm=None, behaviour_logprobs=None, behaviour_is_cap=None):
     _check_options(clip_low, clip_high, dual_clip, kl_coef, kl_estimator, kl_clamp, agg, ratio_level)
+    check_cap(behaviour_is_cap, behaviour_logprobs is not None)
     packed = segment_ids is not None
-    _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, packed)
+    _check_shapes(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, packed, behaviour_logprobs)
     if packed and (num_segments is None or segment_ids.shape != logprobs.shape):
         raise ValueError("packed rows need segment_ids shaped like logprobs and a static num_segments")
     f32 = jnp.float32
@@ -163,22 +194,13 @@ def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_
         log_ratio = jnp.where(
             mask, jax.lax.stop_gradient(seq_log_ratio) + logp_m - jax.lax.stop_gradient(logp_m), 0.0)
     ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    # The clip is active exactly where it raises the loss; which side depends on sign(A).
-    clipped = pg_clipped > pg_unclipped
-    pg = jnp.where(clipped, pg_clipped, pg_unclipped)
-    clip_high_tok = mask & clipped & (adv > 0)
-    clip_low_tok = mask & clipped & (adv < 0)
-    if dual_clip is not None:
-        pg_cap = -adv * dual_clip
-        dual_tok = (adv < 0) & (pg > pg_cap)
-        pg = jnp.where(dual_tok, pg_cap, pg)
-        dual_tok = dual_tok & mask
-    else:
-        dual_tok = jnp.zeros_like(mask)
-    pg = jnp.where(mask, pg, 0.0)
+    pg, clip_low_tok, clip_high_tok, dual_tok = _clipped_pg(ratio, adv, mask, clip_low, clip_high, dual_clip)
+    off_policy_sums = {}
+    if behaviour_logprobs is not None:  # decoupled PPO: old_logprobs are the proximal policy's
+        is_weight, off_policy_sums = behaviour_weight(old_logprobs, behaviour_logprobs, mask, behaviour_is_cap,
+                                                      LOG_RATIO_CLAMP)
+        if is_weight is not None:
+            pg = pg * is_weight
 
     if ref_logprobs is not None:
         diff = jnp.where(mask, logp - ref_logprobs.astype(f32), 0.0)
@@ -205,6 +227,7 @@ def _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_
         # verl's ppo_kl: mean of log(pi_old / pi), a cheap drift check against rollout.
         "ppo_kl_sum": sg(-token_log_ratio.sum()),
         "pg_loss_sum": sg((pg * weights).sum()),
+        **off_policy_sums,
     }
     denominator = sums["num_tokens"] if agg == "token-mean" else num_seqs
     return loss_sum, denominator, sums
@@ -225,6 +248,7 @@ def finalize_policy_metrics(denominator, metrics_sums):
         "pg_loss": metrics_sums["pg_loss_sum"] / jnp.maximum(denominator, 1.0),
         "num_tokens": metrics_sums["num_tokens"],
         "num_seqs": metrics_sums["num_seqs"],
+        **finalize_off_policy(metrics_sums, n_tok),
     }
 
 
@@ -232,7 +256,7 @@ def finalize_policy_metrics(denominator, metrics_sums):
 def policy_loss_terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low=0.2,
                       clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", kl_clamp=K3_CLAMP,
                       agg="token-mean", ratio_level="token", segment_ids=None, num_segments=None,
-                      sum_norm=None):
+                      sum_norm=None, behaviour_logprobs=None, behaviour_is_cap=None):
     """(loss_sum, denominator, metrics_sums) of one (micro)batch; see `policy_loss`.
     Packed rows: `segment_ids`, `num_segments`, `sum_norm` and per-token advantages (see
     the module docstring).
@@ -247,19 +271,21 @@ def policy_loss_terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mas
     return _terms(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, clip_low=clip_low,
                   clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator,
                   kl_clamp=kl_clamp, agg=agg, ratio_level=ratio_level, segment_ids=segment_ids,
-                  num_segments=num_segments, sum_norm=sum_norm)
+                  num_segments=num_segments, sum_norm=sum_norm, behaviour_logprobs=behaviour_logprobs,
+                  behaviour_is_cap=behaviour_is_cap)
 
 
 @partial(jax.jit, static_argnames=_STATIC)
 def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, clip_low=0.2,
                 clip_high=0.2, dual_clip=3.0, kl_coef=0.001, kl_estimator="k3", kl_clamp=K3_CLAMP,
-                agg="token-mean", ratio_level="token"):
+                agg="token-mean", ratio_level="token", behaviour_logprobs=None, behaviour_is_cap=None):
     """GRPO policy loss of a batch. Returns (loss, metrics).
 
     Args:
       logprobs: float[B, T], current policy's log-probabilities of the sampled tokens
         (differentiate with respect to these).
-      old_logprobs: float[B, T], the rollout policy's.
+      old_logprobs: float[B, T], the rollout policy's; with `behaviour_logprobs`, the
+        proximal policy's (the params the update starts from).
       ref_logprobs: float[B, T] or None, the reference policy's; None skips the KL.
       advantages: float[B], one per sequence.
       loss_mask: [B, T]; nonzero marks the tokens the agent sampled.
@@ -277,13 +303,18 @@ def policy_loss(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, *, 
         exp(sg[mean log-ratio] + logp - sg[logp]) so the value is s_i and each token's
         gradient is s_i * grad logp_t (GSPO-token; with a per-sequence advantage this
         equals GSPO's own gradient). Clips and dual clip then act on s_i.
+      behaviour_logprobs: float[B, T] or None, the behaviour policy's (the rollout engine's)
+        when old_logprobs are the proximal policy's (decoupled PPO, `muajax.rl.off_policy`):
+        their statistics are reported ("off_policy/..." metrics), and with a cap each
+        token's pg loss is weighted by sg(min(exp(old - behaviour), behaviour_is_cap)).
+      behaviour_is_cap: the importance weight's truncation (>= 1); None applies no weight.
 
     A batch with no unmasked token gives loss 0 and zero gradients.
     """
     loss_sum, denominator, sums = _terms(
         logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high,
         dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, agg=agg,
-        ratio_level=ratio_level)
+        ratio_level=ratio_level, behaviour_logprobs=behaviour_logprobs, behaviour_is_cap=behaviour_is_cap)
     loss = loss_sum / jnp.maximum(denominator, 1.0)
     metrics = finalize_policy_metrics(denominator, sums)
     metrics["loss"] = jax.lax.stop_gradient(loss)

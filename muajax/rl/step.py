@@ -3,7 +3,7 @@
 `make_train_step(loss_fn, optimizer, mesh, param_shardings, ...)` is model- and
 loss-agnostic: `loss_fn(params, frozen, microbatch) -> (loss_sum, denominator, sums)`
 returns one microbatch's *unnormalised* loss, the count it is normalised by, and a dict
-of scalar metric sums. The step differentiates loss_sum per microbatch, adds the
+of scalar metric sums (a key ending in "_max" holds a maximum instead). The step differentiates loss_sum per microbatch, adds the
 gradients, and divides once by the total denominator, so k microbatches give the
 full-batch gradient exactly (up to float associativity) whatever the normaliser
 (token-mean, seq-mean, ...). `muajax.rl.grpo.make_grpo_step` and
@@ -13,7 +13,9 @@ Batch layout (every array's leading dim is the batch, sharded over (data, fsdp))
   tokens       int32 [B, T]  the full token sequence, prompt and all turns, right-padded
                              with any valid id;
   loss_mask    [B, T]        1 where tokens[b, t] was sampled by the agent;
-  old_logprobs f32 [B, T]    the rollout's logprob of tokens[b, t] (GRPO);
+  old_logprobs f32 [B, T]    the rollout's logprob of tokens[b, t] (GRPO: the behaviour policy);
+  prox_logprobs f32 [B, T]   the trainer's, of the params the step starts from (GRPO with
+                             recompute_old_logprobs and mini-batches: the proximal policy);
   advantages   f32 [B]       each row's group advantage (GRPO).
 Masks and logprobs are indexed by the *token* they describe, as the rollout stores
 them. Inside the step, position t of the forward predicts token t+1: targets are
@@ -54,6 +56,12 @@ def shift_left(x: jax.Array, fill=0) -> jax.Array:
     """x[:, 1:] padded at the end with `fill`: aligns per-token data with next-token targets."""
     pad = jnp.full_like(x[:, :1], fill)
     return jnp.concatenate([x[:, 1:], pad], axis=1)
+
+
+def combine_sums(a: dict, b: dict) -> dict:
+    """Two microbatches' metric sums as one: added, except the maxima (keys ending in "_max",
+    of non-negative values: the scan starts them at 0), which combine by maximum."""
+    return {k: jnp.maximum(a[k], b[k]) if k.endswith("_max") else jnp.add(a[k], b[k]) for k in a}
 
 
 def split_microbatches(x: jax.Array, k: int, mesh) -> jax.Array:
@@ -170,7 +178,7 @@ class TrainStep:
                 (l, (d, s)), g = grad_fn(params, mb)
                 # float32 accumulation whatever the param dtype; sharded like the params.
                 g_acc = constrain(jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g))
-                return (g_acc, l_acc + l, d_acc + d, jax.tree.map(jnp.add, s_acc, s)), None
+                return (g_acc, l_acc + l, d_acc + d, combine_sums(s_acc, s)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
             _, (d0, s0) = jax.eval_shape(lambda p, mb: self._loss_parts(p, frozen, mb), params, first)
