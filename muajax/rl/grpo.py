@@ -81,6 +81,13 @@ class GRPOConfig(Checked):
     # pass). With one update per step that forward is the update's own (no extra cost); with
     # mini-batches, one forward over the whole batch before the first update.
     recompute_old_logprobs: bool = False
+    # Off-policy data (asynchronous rollouts, an engine whose numbers differ from the trainer's):
+    # with recompute_old_logprobs, each token's clipped loss (its ratio against the recomputed,
+    # proximal logprobs) is weighted by min(pi_prox / pi_behav, cap), detached, pi_behav the
+    # rollout engine's sampling logprobs (decoupled PPO; verl's truncated importance sampling;
+    # 2 is a common cap). null: no weight, the recomputed logprobs just replace the engine's.
+    # Needs recompute_old_logprobs.
+    behaviour_is_cap: float | None = bounded(None, ge=1)
     # Asynchronous GRPO (muajax/train/async_grpo.py): the rollouts of the next batches run
     # while this one updates, on weights at most this many updates old (a row's staleness:
     # the update's version minus the oldest version that sampled its tokens). 0: rollout,
@@ -95,6 +102,8 @@ class GRPOConfig(Checked):
         check(self.minibatch_size is None or self.microbatch_size is None
               or self.minibatch_size % self.microbatch_size == 0, "microbatch_size",
               f"({self.microbatch_size}) must divide minibatch_size ({self.minibatch_size})")
+        check(self.behaviour_is_cap is None or self.recompute_old_logprobs, "behaviour_is_cap",
+              "needs grpo.recompute_old_logprobs: without it the proximal policy is the behaviour policy")
         buckets = self.length_buckets
         check(buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)
                                   and list(buckets) == sorted(set(buckets))), "length_buckets",
@@ -108,7 +117,7 @@ class GRPOConfig(Checked):
         """Keyword arguments of `muajax.rl.losses.policy_loss_terms`."""
         return dict(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
                     kl_coef=self.kl_coef, kl_estimator=self.kl_estimator, kl_clamp=self.kl_clamp, agg=self.agg,
-                    ratio_level=self.ratio_level)
+                    ratio_level=self.ratio_level, behaviour_is_cap=self.behaviour_is_cap)
 
     def updates_per_step(self, batch_size: int) -> int:
         """Optimizer updates one GRPO step makes over a rollout batch of `batch_size` rows."""
@@ -125,6 +134,22 @@ def _packing(mb: dict, segments: int | None) -> dict:
     return dict(segment_ids=shift_left(mb["segment_ids"]), num_segments=segments, sum_norm=mb["sum_norm"])
 
 
+def _old_logprobs(grpo: GRPOConfig, mb: dict, logp):
+    """(old, behaviour) logprobs of a microbatch's targets: without recompute, the rollout's
+    and None; with it, the proximal policy's (the params the step starts from) and the
+    rollout's (the behaviour policy, for the off-policy correction)."""
+    rollout = shift_left(mb["old_logprobs"].astype(jnp.float32))
+    if not grpo.recompute_old_logprobs:
+        return rollout, None
+    if grpo.minibatch_size is None:
+        # one update per step: the params being differentiated are the ones the step starts from
+        return jax.lax.stop_gradient(logp), rollout
+    if "prox_logprobs" not in mb:
+        raise KeyError("grpo.recompute_old_logprobs with mini-batches: the batch needs 'prox_logprobs', the "
+                       "recomputed logprobs (`make_old_logprobs_fn`), beside the rollout's 'old_logprobs'")
+    return shift_left(mb["prox_logprobs"].astype(jnp.float32)), rollout
+
+
 def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shared_prefix: int,
                  segments: int | None = None) -> LossFn:
     """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0.
@@ -139,19 +164,15 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         advantages = shift_left(mb["advantages"]) if packing else mb["advantages"]
         logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
                                       logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix, segment_ids=seg)
-        if grpo.recompute_old_logprobs and grpo.minibatch_size is None:
-            # one update per step: the params being differentiated are the ones the step starts from
-            old = jax.lax.stop_gradient(logp)
-        else:
-            old = shift_left(mb["old_logprobs"].astype(jnp.float32))
+        old, behaviour = _old_logprobs(grpo, mb, logp)
         ref_logp = None
         if grpo.uses_reference:
             ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=temperature,
                                             logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
                                             segment_ids=seg)
             ref_logp = jax.lax.stop_gradient(ref_logp)
-        loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, advantages, mask,
-                                                  **grpo.loss_settings(), **packing)
+        loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, advantages, mask, **grpo.loss_settings(),
+                                                  **packing, behaviour_logprobs=behaviour)
         sums = dict(sums, entropy_sum=jax.lax.stop_gradient(jnp.where(mask > 0, ent, 0.0).sum()))
         return loss_sum, denom, sums
 
@@ -160,11 +181,12 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
 
 def make_old_logprobs_fn(cfg: Qwen3Config, mesh, grpo: GRPOConfig, *, temperature: float, shared_prefix: int = 0,
                          microbatches: int = 1, packed: bool = False) -> Callable:
-    """`fn(params, batch) -> old_logprobs` f32 [B, T]: the trainer's forward of `params` (no
+    """`fn(params, batch) -> prox_logprobs` f32 [B, T]: the trainer's forward of `params` (no
     gradient) over the batch's tokens, indexed by the token they describe like the rollout's
     (0 off the loss mask): `grpo.recompute_old_logprobs` with mini-batches, computed for every
-    mini-batch before the step's first update. Rows run `microbatches` at a time; `packed`
-    rows carry `segment_ids`."""
+    mini-batch before the step's first update and carried beside the rollout's old_logprobs
+    as the batch's `prox_logprobs` (the proximal policy of the off-policy correction). Rows
+    run `microbatches` at a time; `packed` rows carry `segment_ids`."""
     shardings = param_shardings(cfg, mesh)
     rows = NamedSharding(mesh, PartitionSpec(parallel.BATCH_AXES, None))
 

@@ -99,6 +99,9 @@ class GRPOLayout:
     temperature: float             # the rollout's, floored away from 0 (logprobs divide by it)
     divisor: int                   # an update's rows come in multiples of this
     packed: bool = False           # trajectories packed into rows with segment ids
+    # the step's batch also carries `prox_logprobs`, recomputed before the first update
+    # (grpo.recompute_old_logprobs with mini-batches), beside the host's fields
+    proximal: bool = False
 
     def fields(self) -> dict:
         """The update batch's fields: name -> (dtype, per-row shape)."""
@@ -147,12 +150,14 @@ class GRPOLayout:
         return grpo_update_batches(trajectories, grpo, **common)
 
     def abstract_batch(self, mesh, length: int | None = None, rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
-        """One update's batch as the host places it, at `length` (default: the longest bucket)
-        and `rows` (default: the most, `padded_rows`)."""
+        """One update's batch as the step takes it (the host's, plus the `prox_logprobs` the
+        trainer adds when `proximal`), at `length` (default: the longest bucket) and `rows`
+        (default: the most, `padded_rows`)."""
         length = self.longest if length is None else length
         rows = self.padded_rows if rows is None else rows
         out = {}
-        for name, (dtype, row) in self.fields().items():
+        fields = dict(self.fields(), **({"prox_logprobs": (np.float32, ("T",))} if self.proximal else {}))
+        for name, (dtype, row) in fields.items():
             shape = (rows, *(length for _ in row))
             out[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=parallel.batch_sharding(mesh, len(shape)))
         return out
@@ -169,7 +174,8 @@ def make_layout(mesh, model_cfg: Qwen3Config, grpo, *, batch_size: int, max_cont
     platform = mesh.devices.flat[0].platform
     prefix = shared_prefix_tokens(prompt_prefix, model_cfg, length=max(buckets), platform=platform)
     return GRPOLayout(batch_size, update_rows, micro, buckets, prefix, max(temperature, 1e-6),
-                      batch_divisor(mesh, micro), packed=grpo.pack_rows)
+                      batch_divisor(mesh, micro), packed=grpo.pack_rows,
+                      proximal=grpo.recompute_old_logprobs and grpo.minibatch_size is not None)
 
 
 def grpo_layout(cfg, mesh, model_cfg: Qwen3Config, *, prompt_prefix: int) -> GRPOLayout:

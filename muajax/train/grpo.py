@@ -92,15 +92,16 @@ def _update(step_fn, state, parts: list[dict], reference, grpo, old_logprobs_fn=
     mean of their metrics (with `updates`, their number, and `first_pass/...`, the first
     update's FIRST_PASS_KEYS), and the [rows, length] of each (mini-)batch as stepped,
     padding included. `old_logprobs_fn` (mini-batches with grpo.recompute_old_logprobs)
-    replaces every mini-batch's old logprobs before the first update."""
-    if old_logprobs_fn is not None:  # from the params the step starts from, as verl does
-        parts = [dict(part, old_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
+    gives every mini-batch its `prox_logprobs` before the first update, beside the rollout's
+    old logprobs (the behaviour policy's). Maxima ("..._max" metrics) are the updates' max."""
+    if old_logprobs_fn is not None:  # from the params the step starts from, as verl and AReaL do
+        parts = [dict(part, prox_logprobs=old_logprobs_fn(state.params, part)) for part in parts]
     records = []
     for _ in range(grpo.ppo_epochs):
         for placed in parts:
             state, metrics = step_fn(state, placed, reference) if reference is not None else step_fn(state, placed)
             records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k != "step"})
-    summary = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+    summary = {k: float((np.max if k.endswith("_max") else np.mean)([r[k] for r in records])) for k in records[0]}
     summary.update({f"first_pass/{k}": records[0][k] for k in FIRST_PASS_KEYS})
     return state, {**summary, "updates": float(len(records))}, [tuple(p["tokens"].shape) for p in parts]
 
