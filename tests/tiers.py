@@ -16,6 +16,7 @@ SLOW = {
     "tests/train/test_determinism.py": 107,
     "tests/train/test_grpo.py::test_ppo_epochs_make_several_updates_per_step": 85,
     "tests/train/test_grpo.py::test_recomputed_old_logprobs_in_the_grpo_stage": 71,
+    "tests/train/test_grpo_off_policy.py::test_the_grpo_stage_logs_the_off_policy_correction": 26,
     "tests/train/test_grpo.py::test_a_run_whose_steps_keep_going_non_finite_stops_after_saving": 42,
     "tests/train/test_grpo.py::test_one_mini_batch_of_the_whole_batch_is_the_paper_s_update": 30,
     "tests/train/test_resume.py::test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one": 57,

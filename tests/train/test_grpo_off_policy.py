@@ -32,3 +32,17 @@ def test_the_update_keeps_the_behaviour_and_the_proximal_logprobs():
         np.testing.assert_array_equal(placed["old_logprobs"], part["old_logprobs"])  # the rollout's, kept
         np.testing.assert_array_equal(placed["prox_logprobs"], part["old_logprobs"] + 0.5)
     assert summary["off_policy/behav_ratio_max"] == 5.0 and summary["loss"] == 2.5
+
+
+def test_the_grpo_stage_logs_the_off_policy_correction(tmp_path):
+    """A GRPO step with recomputed logprobs, two mini-batches and a cap: the correction's
+    statistics are in the step's record (the engine's logprobs are the behaviour policy's)."""
+    from tests.train.test_grpo import one_step
+
+    _, _, record = one_step(tmp_path, "capped", "grpo.recompute_old_logprobs=true", "grpo.minibatch_size=2",
+                            "grpo.behaviour_is_cap=2")
+    assert record["updates"] == 2
+    # the engine and the trainer compute the same policy: the ratio is 1 but for float rounding
+    assert 0 < record["off_policy/behav_ratio_max"] < 1.01 and record["off_policy/behav_log_diff"] < 1e-2
+    assert record["off_policy/is_truncated_frac"] == 0.0
+    assert abs(record["off_policy/is_weight_mean"] - record["off_policy/behav_ratio_mean"]) < 1e-6
