@@ -120,7 +120,7 @@ class _Driver:
         version it samples with (a turn spanning an update keeps the oldest)."""
         engine = self.engine
         newest = self.weights.newest() if self.weights is not None else None
-        if newest is not None and newest[0] > engine.version:
+        if newest is not None and newest[0] > getattr(engine, "version", 0):
             engine.adopt(*newest)
         version = getattr(engine, "version", 0)
         for slot in self.live:

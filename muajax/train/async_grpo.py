@@ -24,7 +24,8 @@ params'; with several processes the copy is a collective, so it is made here, on
 thread, in the same order on every process) and publishes it as version k + 1. The
 rollout thread adopts it between engine calls: the engine and the update never share a
 buffer, and a JAX call in each thread runs concurrently (the GIL is released while XLA
-runs).
+runs). The engine keeps its params copy and page pool through the updates (they run at
+once), so an update's memory must fit beside them; the synchronous loop frees them first.
 
 Long conversations are not starved: batches are trained in order and a batch waits for
 every one of its conversations, so no conversation is dropped for being stale. A

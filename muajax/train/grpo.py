@@ -301,7 +301,8 @@ def run_async_grpo(stage: GRPOStage, state, *, hooks: Sequence[Hook] = ()):
     ahead = RolloutAhead(rollout, board, start=stage.start, total=stage.steps, max_staleness=s,
                          partial=r.partial, loop=rollout_loop())
     try:
-        return run_steps(state, stage.start, stage.steps, step, [*stage.hooks(), *hooks]).params
+        params = run_steps(state, stage.start, stage.steps, step, [*stage.hooks(), *hooks]).params
     finally:
         ahead.close()
-        ctx.engine_idle()
+    ctx.engine_idle()
+    return params
