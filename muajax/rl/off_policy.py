@@ -19,7 +19,8 @@ starts from, however stale the data, and the importance weight w between proxima
 behaviour policy corrects for sampling from pi_behav. w is a constant of the gradient (stop
 gradient) and truncated at `cap` (verl's TIS truncates; AReaL instead drops the tokens above
 its cap), which bounds the variance a token sampled far off the proximal policy brings. The
-KL to the reference is not weighted (verl adds it outside the policy loss too).
+KL to the reference is not weighted (verl adds it outside the policy loss too). The weight is
+per token whatever `ratio_level` (with GSPO's sequence ratio too), as verl's token-level TIS.
 
 The statistics are sums (`OFF_POLICY_SUM_KEYS`) that add across microbatches like the loss's
 own, except the maxima (keys ending in "_max"), which combine by maximum
