@@ -3,13 +3,15 @@ next batch overlaps this batch's update, so a step is the longer of the two stre
 what the engine and the update contend for on their shared devices, not their sum."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from muajax.planning.calibration import step_settings
 from muajax.planning.report import summary_lines
 from muajax.planning.rollout_profile import Distribution
 from muajax.planning.step_time import predict_step, step_seconds
-from muajax.planning.sweep import SweepRow, _rank, table
+from muajax.planning.sweep import SweepRow, _rank, table, write_outputs
 from muajax.rl.grpo import GRPOConfig
 from tests.planning.test_step_time import RATES, _plan, _profile, _rollout
 
@@ -76,7 +78,7 @@ def test_the_report_shows_both_steps_and_marks_the_config_s():
     assert sync_lines.splitlines()[0].endswith("<- grpo.max_staleness 0")
 
 
-def test_a_sweep_ranks_by_the_step_the_config_runs_and_shows_the_async_one():
+def test_a_sweep_ranks_by_the_step_the_config_runs_and_shows_the_async_one(tmp_path):
     def row(name, step_s, async_s, run_s):
         return SweepRow({"data": name, "fsdp": 1, "tensor": 1, "sequence": 1}, "full", 1, "fits", 1 << 30,
                         roofline={"serial_s": 1.0, "estimate_s": 1.0}, step={
@@ -88,3 +90,5 @@ def test_a_sweep_ranks_by_the_step_the_config_runs_and_shows_the_async_one():
     text = table(ranked, None)
     assert "async" in text.splitlines()[0] and "ranked by async" in text
     assert ranked[0].flat()["async_step_s"] == 50.0
+    out = write_outputs(ranked, str(tmp_path), "tiny", "cpu:1", None)  # the chart marks the async step
+    assert os.path.getsize(out["png"]) > 0 and "async_step_s" in open(out["csv"]).readline()
