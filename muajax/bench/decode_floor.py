@@ -1,12 +1,21 @@
 """The arithmetic floor of one decode step, for `python -m muajax.bench generate`.
 
 A decode step's unavoidable work is its matrix products: per layer the q, k, v, o, gate,
-up and down projections of `batch` single-token rows, then the LM head. Attention over
-the cache, the norms and the sampling are small beside them at the generate benchmark's
-size, and everything else is overhead. This times exactly those products, on the same
-weights, once with torch (what transformers' step is built from) and once jitted in XLA
-(what muajax's step is built from), and the time to stream every weight from memory
-once (a torch sum: the bound for any float32 kernel at a small batch).
+up and down projections of `batch` single-token rows, then the LM head, and the
+attention's two products over each row's cache (scores against the keys, the weighted
+sum of the values), which must read every cached key and value once. The norms and the
+sampling are small beside them, and everything else is overhead. This times exactly those
+products, on the same weights, once with torch (what transformers' step is built from)
+and once jitted in XLA (what muajax's step is built from), and the time to stream every
+weight from memory once (a torch sum: the bound for any float32 kernel at a small batch).
+
+The XLA floor is timed twice: with the attention over a cache of the generation's mean
+context (`Attention`; the bytes a step must read on average), and without it (the
+matmuls alone, `xla_matmul_ms`). At the generate benchmark's size (8 rows, 128 + 128
+tokens, 8 layers of 4 kv heads) the caches a step reads are about 15% of the weights'
+bytes, so the attention is not small: measured, it adds 15-20% to the matmul floor. The
+engine's decode is judged against the floor with it (`muajax_step_over_xla_floor`); its
+ratio to the matmuls alone is reported beside (`muajax_step_over_matmul_floor`).
 
 `transformers step / faster matmul floor` bounds the decode ratio of any engine built on
 these matmul libraries; `transformers step / stream` bounds even a hand-written kernel.
@@ -17,7 +26,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import NamedTuple
+
 from muajax.bench import common
+
+
+class Attention(NamedTuple):
+    """The attention the floor's step computes per layer: `heads` query heads in groups over
+    `kv_heads`, `head_dim` wide, over a cache of `context` positions per row."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
 
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -65,12 +86,16 @@ def stream_step(weights: list[np.ndarray], threads: int):
     return step
 
 
-def xla_step(weights: list[np.ndarray], batch: int, steps: int = 1, calls: int = 1):
+def xla_step(weights: list[np.ndarray], batch: int, steps: int = 1, calls: int = 1,
+             attention: Attention | None = None):
     """The same products in jitted XLA, shaped as the engine's decode runs them; returns a
     callable that runs `calls` programs of `steps` decode steps each (divide by calls * steps).
 
     Within a step, each layer's q, k and v read the layer's input, o reads the attention's
-    width (q stands in for the attention output), gate and up read the residual, down reads
+    output (with `attention`: softmax(q K^T / sqrt(d)) V over the layer's cache of
+    `context` positions, keys and values [batch, kv_heads, context, head_dim] as the
+    engine's dense decode cache lays them out, two batched dots per layer; without: q
+    stands in for it), gate and up read the residual, down reads
     their product, and the LM head reads the last residual: one product's output feeds the
     next, as in the step, so no two products overlap on the thread pool where the engine's
     cannot. Every product is a plain dot (`optimization_barrier` keeps any consumer out of
@@ -91,25 +116,27 @@ def xla_step(weights: list[np.ndarray], batch: int, steps: int = 1, calls: int =
     if (len(mats) - 1) % width:
         raise common.BenchError(f"expected {width} projections per layer and a head, got {len(mats)} matrices")
     barrier = jax.lax.optimization_barrier
+    caches = _caches(len(mats) // width, batch, attention)
 
-    def one_step(mats, x):
+    def one_step(mats, caches, x):
         h, side = x, []
-        for i in range(0, len(mats) - 1, width):
+        for layer, i in enumerate(range(0, len(mats) - 1, width)):
             wq, wk, wv, wo, wg, wu, wd = mats[i:i + width]
             q, k, v = (barrier(h @ w) for w in (wq, wk, wv))
             side += [k, v]  # the cache's new entries: carried, so that they are computed
-            h = h + barrier(q @ wo)
+            a = q if attention is None else _attend(q, *caches[layer], attention)
+            h = h + barrier(a @ wo)
             gate, up = (barrier(h @ w) for w in (wg, wu))
             h = h + barrier((gate * up) @ wd)
         return h, barrier(h @ mats[-1]), side
 
     @jax.jit
-    def program(mats, x):
+    def program(mats, caches, x):
         def body(_, carry):
-            h, logits, side = one_step(mats, carry[0])
+            h, logits, side = one_step(mats, caches, carry[0])
             return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6), logits, side
 
-        init = jax.eval_shape(lambda x: one_step(mats, x), x)
+        init = jax.eval_shape(lambda x: one_step(mats, caches, x), x)
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), init)
         return jax.lax.fori_loop(0, steps, body, (x, zeros[1], zeros[2]))
 
@@ -118,21 +145,48 @@ def xla_step(weights: list[np.ndarray], batch: int, steps: int = 1, calls: int =
     def run():
         out = None
         for _ in range(calls):
-            out = common.block(program(mats, x0))
+            out = common.block(program(mats, caches, x0))
         return out
 
-    run.program, run.args = program, (mats, x0)  # for inspecting what XLA made of it
+    run.program, run.args = program, (mats, caches, x0)  # for inspecting what XLA made of it
     return run
+
+
+def _caches(layers: int, batch: int, attention: Attention | None) -> list:
+    """Per layer, keys and values [batch, kv_heads, context, head_dim] (random: the values do
+    not change the cost); none without attention."""
+    import jax
+
+    if attention is None:
+        return []
+    shape = (batch, attention.kv_heads, attention.context, attention.head_dim)
+    rng = np.random.RandomState(0)
+    return [tuple(jax.device_put(rng.randn(*shape).astype(np.float32)) for _ in range(2)) for _ in range(layers)]
+
+
+def _attend(q, keys, values, attention: Attention):
+    """softmax(q K^T / sqrt(d)) V for one new token per row, query heads grouped over the
+    kv heads, each product a plain batched dot; returns [batch, heads * head_dim]."""
+    import jax
+    import jax.numpy as jnp
+
+    a, barrier = attention, jax.lax.optimization_barrier
+    q = q.reshape(q.shape[0], a.kv_heads, a.heads // a.kv_heads, a.head_dim)
+    scores = barrier(jnp.einsum("bkgh,bksh->bkgs", q, keys)) * (a.head_dim ** -0.5)
+    out = barrier(jnp.einsum("bkgs,bksh->bkgh", jax.nn.softmax(scores, axis=-1), values))
+    return out.reshape(q.shape[0], a.heads * a.head_dim)
 
 
 WARMUP = 2
 
 
 def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: float, *, torch_threads=(1,),
-            repeat: int = 20, muajax_decode=None, steps: int = 1, calls: int = 1) -> dict:
+            repeat: int = 20, muajax_decode=None, steps: int = 1, calls: int = 1,
+            attention: Attention | None = None) -> dict:
     """The floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary.
-    The XLA floor runs `calls` programs of `steps` steps a round (the engine's decode chunks).
-    `hf_step_ms` None (no transformers run): the XLA floor alone, no torch ones.
+    The XLA floor runs `calls` programs of `steps` steps a round (the engine's decode chunks),
+    with `attention` (`xla_floor_ms`) and without (`xla_matmul_ms`, the torch floors' work).
+    `hf_step_ms` None (no transformers run): the XLA floors alone, no torch ones.
 
     `muajax_decode`, optional: runs one muajax generation and returns its decode ms/step. It
     then takes its turn in every round beside the floors, and muajax's ratio to the XLA floor
@@ -144,6 +198,8 @@ def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: floa
         candidates = {f"torch_{n}": torch_step(weights, batch, n) for n in sorted(set(torch_threads))}
         candidates["stream"] = stream_step(weights, max(torch_threads))
     candidates["xla"] = xla_step(weights, batch, steps, calls)
+    if attention is not None:
+        candidates["xla_attention"] = xla_step(weights, batch, steps, calls, attention)
     decode_ms: list[float] = []
     if muajax_decode is not None:
         candidates["muajax"] = lambda: decode_ms.append(muajax_decode())
@@ -153,12 +209,18 @@ def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: floa
         seconds.pop("muajax")
         muajax_step_ms = common.median(decode_ms[WARMUP:])  # the timed rounds, after the warm-up calls
     xla_ms = seconds.pop("xla") / (steps * calls)
-    out = {"xla_matmul_ms": xla_ms, "xla_floor_steps": steps * calls,
-           "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, xla_ms),
+    floor_ms = seconds.pop("xla_attention") / (steps * calls) if attention is not None else xla_ms
+    out = {"xla_matmul_ms": xla_ms, "xla_floor_ms": floor_ms, "xla_floor_steps": steps * calls,
+           "xla_floor_attention": attention._asdict() if attention is not None else None,
+           "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, floor_ms),
+           "muajax_step_over_matmul_floor": common.ratio(muajax_step_ms, xla_ms),
            "muajax_decode_ms": muajax_step_ms, "muajax_interleaved": muajax_decode is not None}
-    common.log(f"decode floor (the step's matmuls alone, batch {batch}, {steps * calls} steps): XLA {xla_ms:.2f} ms; "
-               f"muajax's step {muajax_step_ms:.2f} ms is x{out['muajax_step_over_xla_floor']:.2f} its XLA floor"
-               + (" (timed in the same rounds)" if muajax_decode is not None else ""))
+    what = (f"matmuls and attention over {attention.context} cached positions" if attention is not None
+            else "matmuls alone")
+    common.log(f"decode floor (the step's {what}, batch {batch}, {steps * calls} steps): XLA {floor_ms:.2f} ms "
+               f"(matmuls alone {xla_ms:.2f}); muajax's step {muajax_step_ms:.2f} ms is "
+               f"x{out['muajax_step_over_xla_floor']:.2f} its XLA floor (x{out['muajax_step_over_matmul_floor']:.2f} "
+               "the matmuls')" + (" (timed in the same rounds)" if muajax_decode is not None else ""))
     if hf_step_ms is not None:
         out.update(_torch_figures(seconds, xla_ms, hf_step_ms))
     return out

@@ -32,8 +32,8 @@ muajax's decode ms/step over tunix's (below 1: muajax is faster).
 
 Runs alternate which side goes first each round (shared machine: drift hits all sides);
 figures are medians. The decode floor (`muajax.bench.decode_floor`: one step's matmuls
-alone, in torch and in XLA, and one read of every weight) bounds the ratio an engine
-could reach on the machine.
+and its attention over the mean context in XLA, the matmuls alone in XLA and torch, and
+one read of every weight) bounds the ratio an engine could reach on the machine.
 Compilation is excluded from muajax's timed runs: the first (cold)
 run is timed separately and `compile_s` is its excess over the warm median.
 """
@@ -347,7 +347,15 @@ def _floor(args, hf_model, hf_step_ms, muajax_once, torch_threads) -> dict:
     return decode_floor.measure(
         hf_model, args.batch, hf_step_ms, None, torch_threads=torch_threads or (1,), repeat=max(5, 5 * args.repeat),
         muajax_decode=lambda: summarize([muajax_once()], args.batch)["decode_ms_per_step"],
-        steps=args.decode_chunk, calls=-(-args.new // args.decode_chunk))
+        steps=args.decode_chunk, calls=-(-args.new // args.decode_chunk), attention=floor_attention(args, hf_model))
+
+
+def floor_attention(args, hf_model) -> decode_floor.Attention:
+    """The floor's attention: the model's heads over the mean context of the decode steps
+    (step i of `new` attends over prompt + i positions)."""
+    c = hf_model.config
+    return decode_floor.Attention(heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                  context=args.prompt + (args.new - 1) // 2)
 
 
 def _report_tunix(args, result: dict, hf_model, prompts: np.ndarray, mj_tokens: np.ndarray) -> None:

@@ -56,3 +56,30 @@ def test_the_floor_runs_steps_in_a_loop_and_calls_one_after_another():
         out = hh @ weights[-1]
         x = hh / np.sqrt(np.mean(hh * hh, axis=-1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(np.asarray(logits), out, rtol=2e-4, atol=2e-4)
+
+
+def test_the_attention_floor_adds_two_plain_dots_a_layer_over_the_cache():
+    weights = _weights()
+    attention = decode_floor.Attention(heads=4, kv_heads=2, head_dim=8, context=5)
+    run = decode_floor.xla_step(weights, batch=3, steps=2, calls=1, attention=attention)
+    hlo = run.program.lower(*run.args).compile().as_text()
+    dots = [x for lines in _computations(hlo).values() for x in lines if " dot(" in x]
+    assert len(dots) == len(weights) + 2 * 2  # the scores and the weighted values of each layer
+    caches = run.args[1]
+    assert [k.shape for k, _ in caches] == [(3, 2, 5, 8)] * 2
+    h, logits, _ = run()
+    x = np.ones((3, 32), np.float32)
+    for _ in range(2):  # numpy: each layer's attention output feeds o
+        hh = x
+        for layer, i in enumerate(range(0, 14, 7)):
+            wq, wk, wv, wo, wg, wu, wd = weights[i:i + 7]
+            keys, values = (np.asarray(c) for c in caches[layer])
+            q = (hh @ wq).reshape(3, 2, 2, 8)
+            s = np.einsum("bkgh,bksh->bkgs", q, keys) / np.sqrt(8)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            hh = hh + np.einsum("bkgs,bksh->bkgh", p, values).reshape(3, 32) @ wo
+            hh = hh + ((hh @ wg) * (hh @ wu)) @ wd
+        out = hh @ weights[-1]
+        x = hh / np.sqrt(np.mean(hh * hh, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(logits), out, rtol=2e-4, atol=2e-4)
