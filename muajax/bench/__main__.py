@@ -9,12 +9,15 @@ import muajax.bench as bench_pkg
 from muajax.bench.common import BenchError, emit_json
 
 _NOT_BENCHMARKS = {"common", "__main__", "tunix_side", "decode_floor"}  # helpers: a script and the floor generate runs
+ALIASES = {"async": "async_grpo"}  # benchmark name -> module, where the name is a Python keyword
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def available() -> list[str]:
     """Benchmark modules present in this install (planned ones first, then any others)."""
-    found = {m.name for m in pkgutil.iter_modules(bench_pkg.__path__)} - _NOT_BENCHMARKS
+    modules = {m.name for m in pkgutil.iter_modules(bench_pkg.__path__)} - _NOT_BENCHMARKS
+    names = {module: name for name, module in ALIASES.items()}
+    found = {names.get(m, m) for m in modules}
     return [n for n in bench_pkg.PLANNED if n in found] + sorted(found - set(bench_pkg.PLANNED))
 
 
@@ -46,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             why = f"unknown benchmark {name!r}; available: {', '.join(available()) or 'none'}"
         return _fail(name, why, EXIT_USAGE)
-    module = importlib.import_module(f"muajax.bench.{name}")
+    module = importlib.import_module(f"muajax.bench.{ALIASES.get(name, name)}")
     run = getattr(module, "run", None)
     if not callable(run):
-        return _fail(name, f"muajax.bench.{name} has no run(argv) function", EXIT_USAGE)
+        return _fail(name, f"{module.__name__} has no run(argv) function", EXIT_USAGE)
     try:
         result = run(rest)
     except BenchError as exc:
