@@ -32,7 +32,14 @@ SLOW = {
     "tests/test_pretrain.py::test_pretrain_continues_from_a_base_with_the_system_prompt": 33,
     "tests/test_pretrain.py::test_pretrain_writes_an_hf_base_with_its_vocabulary_and_record": 13,
     # --- multi-host: two jax processes. Default tier: test_distributed_helpers_across_two_processes.
-    "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch": 84,
+    "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[0]": 75,
+    "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[1]": 66,
+    # --- asynchronous GRPO's whole runs. Default tier: the handoff and rollout thread's unit
+    # tests and test_no_row_is_trained_above_the_bound[2-True] (partial rollouts, 14 s).
+    "tests/train/test_async_grpo.py::test_max_staleness_zero_is_the_synchronous_loop": 39,
+    "tests/train/test_async_grpo.py::test_kill9_during_an_asynchronous_run_resumes_and_finishes": 44,
+    "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[1-False]": 30,
+    "tests/train/test_async_grpo.py::test_partial_rollouts_switch_weights_inside_a_conversation": 18,
     # --- end to end on τ2 (synthetic data, SFT, GRPO, evaluation) and τ2's own protocol.
     # Default tier: τ2's unit tests (its tools, splits and scoring); the end-to-end
     # representative is the short GRPO run above.
@@ -140,6 +147,7 @@ SLOW = {
     "tests/bench/test_engine_benches.py::test_generate_times_the_floor_without_transformers": 15,
     "tests/bench/test_engine_benches.py::test_generate_quick": 8,
     "tests/bench/test_bench_cli.py::test_train_quick_times_muajax_beside_torch_and_another_attention": 13,
+    "tests/bench/test_async_bench.py::test_quick_run_reports_both_runs_and_the_speedups": 60,
     # --- one of two forms of the same equality. Default tier: the other form.
     "tests/runtime/test_packing.py::test_packed_rows_give_the_loss_and_gradient_of_unpacked_ones[xla]": 12,
     "tests/rl/test_old_logprobs.py::test_recomputed_old_logprobs_make_the_first_ratio_exactly_one": 23,

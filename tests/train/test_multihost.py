@@ -133,12 +133,15 @@ def test_distributed_helpers_across_two_processes(tmp_path):
     assert os.path.isdir(tmp_path / "ckpt" / "3")
 
 
-def test_two_processes_train_exactly_like_one_process_with_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_two_processes_train_exactly_like_one_process_with_the_same_global_batch(tmp_path, max_staleness):
     """2 processes × 1 CPU device, each rolling out one of the step's 2 tasks with its own
     engine and simulated users, against 1 process × 2 devices rolling out both: the same
-    trajectories, metrics and final params (bitwise)."""
+    trajectories, metrics and final params (bitwise); also with the rollouts one step ahead
+    (grpo.max_staleness 1: each process's engine takes every version's weights from the
+    main thread's handoff while the update runs)."""
     port = free_port()
-    train = ["-m", "muajax.train", *TINY_GRPO]
+    train = ["-m", "muajax.train", *TINY_GRPO, f"grpo.max_staleness={max_staleness}"]
     procs = [launch([*train, f"run.out_dir={tmp_path / 'one'}"], devices=2)]
     procs += [launch([*train, f"run.out_dir={tmp_path / 'two'}"], devices=1, process_id=i, port=port)
               for i in range(2)]
@@ -157,7 +160,8 @@ def test_two_processes_train_exactly_like_one_process_with_the_same_global_batch
     for x, y in zip(a, b):
         # the logged rollout metrics are those of both processes' rollouts together
         for key in ("reward", "partial", "sequence_tokens", "response_tokens", "turns", "num_tokens", "loss",
-                    "grad_norm", "all_correct_ratio", "data/position"):
+                    "grad_norm", "all_correct_ratio", "data/position",
+                    *(("async/staleness_max", "async/rollout_version") if max_staleness else ())):
             assert y[key] == x[key], key
         assert {k for k in y if k.startswith("termination/")} == {k for k in x if k.startswith("termination/")}
     for name in ("one", "two"):
