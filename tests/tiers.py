@@ -40,6 +40,7 @@ SLOW = {
     "tests/train/test_async_grpo.py::test_kill9_during_an_asynchronous_run_resumes_and_finishes": 44,
     "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[1-False]": 30,
     "tests/train/test_async_grpo.py::test_partial_rollouts_switch_weights_inside_a_conversation": 18,
+    "tests/train/test_async_grpo.py::test_asynchronous_runs_repeat_whatever_the_users_timing": 30,
     # --- end to end on τ2 (synthetic data, SFT, GRPO, evaluation) and τ2's own protocol.
     # Default tier: τ2's unit tests (its tools, splits and scoring); the end-to-end
     # representative is the short GRPO run above.
