@@ -4,25 +4,23 @@ update), with the scripted user answering every reply after a delay (default 1 s
 
 The run is the embedded CPU default's GRPO stage (`configs/embedded-cpu.yaml`: the
 embedded base on the built-in shop, scripted users) without its SFT, at the bench's sizes.
-The user's delay is `user.latency_s` / `user.latency_jitter` where the config has them, else
-a wrapper here around the domain's user (each reply awaits `asyncio.sleep(delay)` before
-delegating; the delays are seeded). Steps per hour are measured in the steady state: the
-wall time between the end of step `--warmup` and the end of the last step, so compilation
-and the asynchronous run's first (not overlapped) rollout stay out; every engine program is
-compiled before the clock starts (`Engine.warmup`), and the update has one shape (one length
-bucket, padded rows). From the synchronous
-run's steady steps: its rollout and update seconds (means) and the ideal speed-up they imply,
-(rollout + update) / max(rollout, update). `async_speedup` is the asynchronous run's steps
-per hour over the synchronous run's; the target is `async_speedup - 1 >= 0.7 * (ideal - 1)`.
-The persistent compilation cache (a temporary directory, shared by both runs) keeps the
-second run's compilation as short as the first's warm steps.
+The user's delay is the scripted user's own (`user.latency_s`, `user.latency_jitter`, uniform,
+seeded: `muajax.domains.latency`), waited with asyncio.sleep.
+
+Steps per hour are measured in the steady state: the wall time between the end of step
+`--warmup` and the end of the last step, so compilation and the asynchronous run's first
+(not overlapped) rollout stay out; every engine program is compiled before the clock starts
+(`Engine.warmup`), and the update has one shape (one length bucket, padded rows). From the
+synchronous run's steady steps: its rollout and update seconds (means) and the ideal
+speed-up they imply, (rollout + update) / max(rollout, update). `async_speedup` is the
+asynchronous run's steps per hour over the synchronous run's; the target is
+`async_speedup - 1 >= 0.7 * (ideal - 1)`. The persistent compilation cache (a temporary
+directory, shared by both runs) keeps the second run's compilation as short as the first's.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import random
 import tempfile
 import time
 
@@ -59,36 +57,6 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
-def delayed_user(user, mean_s: float, jitter: float, seed: int = 0):
-    """`user` whose every reply awaits a uniform delay of mean `mean_s` and standard
-    deviation `jitter * mean_s` first (seeded per session by its task and start count)."""
-    from muajax.domains.base import UserSession, UserSimulator
-
-    half = mean_s * jitter * 3 ** 0.5
-
-    class Session(UserSession):
-        def __init__(self, inner, rng):
-            self.inner, self.rng = inner, rng
-
-        async def reply(self, agent_message):
-            await asyncio.sleep(self.rng.uniform(mean_s - half, mean_s + half))
-            return await self.inner.reply(agent_message)
-
-    class Delayed(UserSimulator):
-        def __init__(self):
-            self.started: dict[str, int] = {}
-
-        def start(self, task, env=None):
-            key = str(getattr(task, "task_id", task))
-            count = self.started[key] = self.started.get(key, -1) + 1
-            return Session(user.start(task, env), random.Random(f"{seed}/{key}/{count}"))
-
-        async def aclose(self):
-            await user.aclose()
-
-    return Delayed()
-
-
 class _Clock:
     """A loop hook: the wall time at the end of every step."""
 
@@ -107,35 +75,20 @@ class _Clock:
         self.hook = Ends()
 
 
-def latency_overrides(args) -> list[str] | None:
-    """The config's own user-latency keys, where it has them (else None: the wrapper)."""
-    import dataclasses
-
-    from muajax.config.schema import UserConfig
-
-    names = {f.name for f in dataclasses.fields(UserConfig)}
-    if not {"latency_s", "latency_jitter"} <= names:
-        return None
-    return [f"user.latency_s={args.latency}", f"user.latency_jitter={args.jitter}"]
-
-
 def one_run(args, name: str, staleness: int, workdir: str) -> dict:
     from muajax.config.schema import load_config
-    from muajax.domains.base import Domain
     from muajax.runtime import build
     from muajax.train.context import build_context
     from muajax.train.grpo import run_grpo
 
-    latency = latency_overrides(args)
     overrides = ["run.stages=[grpo]", f"run.out_dir={workdir}", f"run.name={name}", "metrics.progress_bar=false",
                  "metrics.tensorboard=false", f"checkpoint.every_steps={10 * args.steps}",
                  f"run.compilation_cache_dir={os.path.join(workdir, 'xla-cache')}", *SIZES,
                  f"grpo.steps={args.steps}", f"grpo.max_staleness={staleness}",
-                 f"rollout.partial={str(args.partial and staleness > 0).lower()}", *(latency or []), *args.set]
+                 f"rollout.partial={str(args.partial and staleness > 0).lower()}", f"user.latency_s={args.latency}",
+                 f"user.latency_jitter={args.jitter}", *args.set]
     cfg = load_config(EMBEDDED, overrides)
     ctx = build_context(cfg)
-    if latency is None:
-        ctx.domain = Domain(ctx.domain.env, delayed_user(ctx.domain.user, args.latency, args.jitter))
     clock = _Clock()
     params = build.initial_params(ctx.model_cfg, ctx.hf_dir, ctx.mesh, cfg.run.seed)
     warmed = time.perf_counter()
@@ -146,10 +99,10 @@ def one_run(args, name: str, staleness: int, workdir: str) -> dict:
     run_grpo(ctx, params, hooks=[clock.hook])
     steady = clock.records[args.warmup:]
     span = clock.ends[-1] - clock.ends[args.warmup - 1] if args.warmup else clock.ends[-1] - t0
-    mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
+    mean = lambda key: sum(r[key] for r in steady) / len(steady)
     out = {"steps_per_hour": 3600.0 * len(steady) / span, "steady_step_s": span / len(steady),
            "rollout_s": mean("time/rollout_s"), "update_s": mean("time/update_s"),
-           "wall_s": time.perf_counter() - t0, "user_latency": "config" if latency else "bench wrapper",
+           "wall_s": time.perf_counter() - t0,
            "turns": mean("turns"), "sequence_tokens": mean("sequence_tokens")}
     if staleness:
         out["staleness_mean"] = sum(r["async/staleness_mean"] for r in clock.records) / len(clock.records)

@@ -157,7 +157,8 @@ def tiny_run(tmp_path, name, *overrides, user=None):
     ctx = build_context(cfg, domain=Domain(SayYesEnvironment(), user or StopUser()), tokenizer=tok)
     params = build.initial_params(ctx.model_cfg, None, ctx.mesh, 0)
     trained = grpo_stage.run_grpo(ctx, params)
-    records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    with open(os.path.join(cfg.run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
     return trained, records
 
 
@@ -237,7 +238,13 @@ def test_kill9_during_an_asynchronous_run_resumes_and_finishes(tmp_path):
     """Killed once checkpoint 2 is written (batch 2 is then rolling out ahead of its update),
     resumed: the state and version of step 2 come back, batch 2 is rolled out again on
     version 2, and every step is trained exactly once."""
-    from tests.train.test_train import TINY_RUN, final_summary, kill_at_checkpoint, resumed_step, run_train
+    from tests.train.test_train import (
+        TINY_RUN,
+        final_summary,
+        kill_at_checkpoint,
+        resumed_step,
+        run_train,
+    )
 
     run_dir = tmp_path / "run"
     args = [*TINY_RUN, "grpo.max_staleness=1", f"run.out_dir={run_dir}"]
