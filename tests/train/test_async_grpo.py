@@ -232,6 +232,37 @@ def test_asynchronous_runs_repeat_whatever_the_users_timing(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+class _DownAfter(UserSimulator):
+    """SlowTalkUser(0) for the first `sessions` conversations; every later one fails."""
+
+    def __init__(self, sessions):
+        self.left = sessions
+
+    def start(self, task, env=None):
+        self.left -= 1
+        inner, up = _TalkSession(0.0), self.left >= 0
+
+        class Session(UserSession):
+            async def reply(self, agent_message):
+                if not up:
+                    raise ConnectionError("the user endpoint is down")
+                return await inner.reply(agent_message)
+
+        return Session()
+
+
+def test_a_step_whose_rollouts_failed_stops_the_asynchronous_run_cleanly(tmp_path):
+    """The user is down from batch 2 on (rolled out ahead, during step 1's update): step 2
+    stops the run after saving the state it started from, and the rollout thread ends."""
+    with pytest.raises(grpo_stage.FailedRolloutsError, match="GRPO step 3: 8 of 8 rollouts failed"):
+        tiny_run(tmp_path, "down", "grpo.steps=5", "grpo.max_staleness=1", user=_DownAfter(16))
+    assert (tmp_path / "down" / "checkpoints" / "grpo" / "2").is_dir()
+    deadline = time.time() + 10
+    while any(t.name == "muajax-rollout-ahead" for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name == "muajax-rollout-ahead"]
+
+
 # ------------------------------------------------------------------ kill -9 and resume (a subprocess)
 
 def test_kill9_during_an_asynchronous_run_resumes_and_finishes(tmp_path):
