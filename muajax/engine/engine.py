@@ -331,7 +331,10 @@ class Engine:
 
     def _decode_call(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
         rows = batching.decode_rows(ready, self.spec.pool, self.batch_buckets, self.pages)
-        out = self._run(self._programs.decode, rows.arrays, dense_pages=rows.dense_pages)
+        # fixed rows gather every row's whole max_len: a bucket that followed the longest row
+        # would change a row's softmax (its reduction's length) with what shares its call
+        dense = self.spec.pool.max_pages if self.batch_rows else rows.dense_pages
+        out = self._run(self._programs.decode, rows.arrays, dense_pages=dense)
         tokens, logprobs, counts, reasons, computed = (np.asarray(x) for x in jax.device_get(out))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(counts.max())

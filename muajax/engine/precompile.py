@@ -2,8 +2,8 @@
 
 Every static shape a call can take is one compilation, paid (seconds on a CPU host) by
 whichever conversation first needs it: decode per rows bucket (and on the pure-JAX
-"reference" decode per gather length, `batching.dense_pages`, a power of two of the
-longest row's pages), extend per rows bucket (packed: one width, the tile; fixed rows: per
+"reference" decode per gather length, `batching.dense_pages`, a bucket of the longest
+row's pages, or every row's max_len with fixed rows), extend per rows bucket (packed: one width, the tile; fixed rows: per
 width). `warm_programs` runs each of them once on rows
 that have nothing to do (no token to write, no step to take), so the pool is unchanged.
 """
@@ -22,6 +22,8 @@ def static_shapes(engine, max_tokens: int | None = None) -> list[tuple[str, int,
     reference = engine.attention == "reference" and not engine.deterministic  # the dense decode
 
     def dense(low: int):
+        if engine.batch_rows is not None and reference:  # fixed rows: the whole max_len (Engine._decode_call)
+            return (spec.max_pages,)
         return batching.dense_buckets(spec, low, max(low, top)) if reference else (None,)
 
     shapes = [("decode", rows, 1, d) for rows in engine.batch_buckets for d in dense(1)]
