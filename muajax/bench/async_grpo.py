@@ -29,10 +29,12 @@ from muajax.bench.common import BenchError, log, machine_info
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EMBEDDED = os.path.join(ROOT, "configs", "embedded-cpu.yaml")
 # Sized on the 2-core box so that the synchronous run's update is a good part of its rollout
-# (which mostly waits on the users) while the rollout's own compute stays small (16
-# conversations, 16 tokens a turn: it competes with the update for the same two cores):
-# measured 2026-11-27 (load 3-4 from other jobs): rollout 2.56 s, update 1.55 s, ideal 1.60.
-SIZES = ["rollout.n_per_task=4", "rollout.tasks_per_step=4", "rollout.max_turns=8",
+# (which mostly waits on the users) while the rollout's own compute stays small (12
+# conversations, 16 tokens a turn): both compete for the same two cores when overlapped, and
+# the more compute either has, the more the overlap loses to that. Measured 2026-11-27 (load
+# ~3 from other jobs): 16 conversations gave ideal 1.60 and 68-79% of its gain, 8 gave 1.36
+# and 103%, these 12: rollout 2.43 s, update 1.13 s, ideal 1.46, 76%.
+SIZES = ["rollout.n_per_task=3", "rollout.tasks_per_step=4", "rollout.max_turns=8",
          "rollout.max_new_tokens_per_turn=16", "rollout.max_context=1536", "grpo.microbatch_size=null",
          "grpo.length_buckets=[1536]", "grpo.pack_rows=false", "grpo.learning_rate=1e-4"]
 
