@@ -69,3 +69,35 @@ def test_a_float32_run_on_its_own_mesh_reads_the_live_params():
     mesh = engine_mesh(None, train, f32, devices=list(train.devices.flat), multiprocess=False)
     assert mesh is train and not copies_params(f32, mesh, train, False)
     assert copies_params(CFG, mesh, train, False)  # bfloat16 compute: a half-width copy
+
+
+def test_the_weight_handoff_copies_into_buffers_of_its_own_and_sets_the_version():
+    """Asynchronous GRPO's handoff: `prepare` never returns the params' own buffers (the
+    update that follows donates them), even where the engine would read the live params;
+    `adopt` swaps them in with their version, and the engine decodes from them after the
+    params are gone."""
+    import numpy as np
+
+    from muajax.engine.engine import SamplingParams
+    from muajax.models.sharding import param_shardings
+    from muajax.runtime.rollout_engine import RolloutEngine
+    from tests.support.tiny_models import ENGINE_CONFIG, engine_params
+
+    mesh = parallel.make_mesh(devices=jax.devices()[:1])
+    params = jax.device_put(engine_params(), param_shardings(ENGINE_CONFIG, mesh))
+    engine = RolloutEngine(None, ENGINE_CONFIG, mesh=mesh, train_mesh=mesh, num_slots=1, max_len=64)
+    assert not engine.copies and engine.version == 0  # float32 on the training mesh: no copy of its own
+    engine.params = params
+    want = engine.generate([engine.open([1, 2, 3])], SamplingParams(temperature=0.0, max_new_tokens=4))
+
+    prepared = engine.prepare(params)
+    for new, old in zip(jax.tree.leaves(prepared), jax.tree.leaves(params)):
+        assert new is not old and np.array_equal(new, old)
+        assert new.addressable_shards[0].data.unsafe_buffer_pointer() != old.addressable_shards[0].data.unsafe_buffer_pointer()
+    engine.release(0)
+    engine.adopt(3, prepared)
+    for leaf in jax.tree.leaves(params):
+        leaf.delete()  # as the next update's donation does
+    assert engine.version == 3 and engine.params is prepared
+    got = engine.generate([engine.open([1, 2, 3])], SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert got[0].tokens == want[0].tokens
