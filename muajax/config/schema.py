@@ -380,6 +380,9 @@ class TrainConfig:
         buckets = self.grpo.length_buckets
         check(not buckets or buckets[-1] >= r.max_context, "grpo.length_buckets",
               f"must reach rollout.max_context ({r.max_context}): the longest is {buckets and buckets[-1]}")
+        check(not r.partial or self.grpo.max_staleness >= 1, "rollout.partial",
+              "needs grpo.max_staleness >= 1: a synchronous step updates the weights only between rollouts, so "
+              "no conversation is ever in flight at an update")
         check(arch is None or r.max_context <= arch.max_position_embeddings, "rollout.max_context",
               f"({r.max_context}) exceeds model.arch.max_position_embeddings ({arch and arch.max_position_embeddings})")
 

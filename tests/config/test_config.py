@@ -311,3 +311,9 @@ def test_validate_config_after_replace():
     # a section that code also builds directly checks itself as it is built
     with pytest.raises(ConfigError, match=r"'kl_coef' must be >= 0"):
         dataclasses.replace(cfg.grpo, kl_coef=-1.0)
+
+
+def test_partial_rollouts_need_an_asynchronous_step():
+    with pytest.raises(ConfigError, match=r"rollout.partial.*needs grpo.max_staleness >= 1"):
+        load_config(None, ["rollout.partial=true"])
+    assert load_config(None, ["rollout.partial=true", "grpo.max_staleness=1"]).rollout.partial
