@@ -47,7 +47,7 @@ def test_generate_quick():
     # same weights, greedy: both sides must pick the same first token (a wrong load would not)
     assert result["greedy_agree_prefix"] >= 1
     assert "transformers" in stdout and "muajax" in stdout  # the figures are printed beside the reference
-    floor = result["floor"]  # one step's matmuls alone: what bounds any engine's ratio on this machine
+    floor = result["floor"]  # one step's products: what bounds any engine's ratio on this machine
     for key in ("torch_matmul_ms", "xla_matmul_ms", "weight_stream_ms", "muajax_step_over_xla_floor",
                 "decode_ratio_ceiling", "decode_ratio_bandwidth_ceiling"):
         assert positive(floor[key]), (key, floor)
@@ -55,9 +55,19 @@ def test_generate_quick():
                         / min(floor["torch_matmul_ms"], floor["xla_matmul_ms"]), rel_tol=1e-2)
     # muajax's decode takes its turn in the floor's own rounds, and its ratio is of those medians
     assert floor["muajax_interleaved"] is True and positive(floor["muajax_decode_ms"])
-    assert math.isclose(floor["muajax_step_over_xla_floor"], floor["muajax_decode_ms"] / floor["xla_matmul_ms"],
-                        rel_tol=1e-6)
+    assert_floor_ratios(floor, result["config"])
     assert "decode floor" in stdout and "timed in the same rounds" in stdout
+
+
+def assert_floor_ratios(floor: dict, config: dict) -> None:
+    """The decode over the floor with the step's attention (over the mean context), and over
+    the matmuls alone beside it: each of the medians timed in the same rounds."""
+    assert floor["xla_floor_attention"]["context"] == config["prompt"] + (config["new"] - 1) // 2
+    assert positive(floor["xla_floor_ms"]) and positive(floor["xla_matmul_ms"])
+    assert math.isclose(floor["muajax_step_over_xla_floor"], floor["muajax_decode_ms"] / floor["xla_floor_ms"],
+                        rel_tol=1e-6)
+    assert math.isclose(floor["muajax_step_over_matmul_floor"], floor["muajax_decode_ms"] / floor["xla_matmul_ms"],
+                        rel_tol=1e-6)
 
 
 def test_generate_times_the_floor_without_transformers():
@@ -67,8 +77,7 @@ def test_generate_times_the_floor_without_transformers():
     floor, config = result["floor"], result["config"]
     assert floor["muajax_interleaved"] is True and positive(floor["xla_matmul_ms"])
     assert floor["xla_floor_steps"] == -(-config["new"] // config["decode_chunk"]) * config["decode_chunk"]
-    assert math.isclose(floor["muajax_step_over_xla_floor"], floor["muajax_decode_ms"] / floor["xla_matmul_ms"],
-                        rel_tol=1e-6)
+    assert_floor_ratios(floor, config)
     assert "torch_matmul_ms" not in floor and "transformers" not in result
     machine = result["machine"]  # the box's facts, to compare figures from two boxes
     assert machine["isa_cap"] is None and machine["usable_cpus"] >= 1
