@@ -17,6 +17,8 @@ SLOW = {
     "tests/train/test_grpo.py::test_ppo_epochs_make_several_updates_per_step": 85,
     "tests/train/test_grpo.py::test_recomputed_old_logprobs_in_the_grpo_stage": 71,
     "tests/train/test_grpo_off_policy.py::test_the_grpo_stage_logs_the_off_policy_correction": 26,
+    # the cap's whole-step test: its capped case stays in the default tier
+    "tests/rl/test_off_policy_step.py::test_the_cap_weights_every_token_of_the_first_update[None]": 9,
     "tests/train/test_grpo.py::test_a_run_whose_steps_keep_going_non_finite_stops_after_saving": 42,
     "tests/train/test_grpo.py::test_one_mini_batch_of_the_whole_batch_is_the_paper_s_update": 30,
     "tests/train/test_resume.py::test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one": 57,
@@ -35,7 +37,9 @@ SLOW = {
     "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[0]": 75,
     "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[1]": 66,
     # --- asynchronous GRPO's whole runs. Default tier: the handoff and rollout thread's unit
-    # tests and test_no_row_is_trained_above_the_bound[2-True] (partial rollouts, 14 s).
+    # tests (tests/train/test_async_grpo.py, tests/runtime/test_rollout_engine.py).
+    "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[2-True]": 14,
+    "tests/train/test_async_grpo.py::test_a_step_whose_rollouts_failed_stops_the_asynchronous_run_cleanly": 8,
     "tests/train/test_async_grpo.py::test_max_staleness_zero_is_the_synchronous_loop": 39,
     "tests/train/test_async_grpo.py::test_kill9_during_an_asynchronous_run_resumes_and_finishes": 44,
     "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[1-False]": 30,

@@ -38,8 +38,9 @@ from muajax.engine.pages import PagedSeq, PageTables
 # two and 1.5x powers of two (at most a quarter of a bucket is padding, an eighth on
 # average), so a step reads little more than its rows' caches for twice as many
 # compilations as powers of two alone (measured, bench generate: rows at 160-256 positions
-# gathered 256 each chunk; now 192, 192, 256, 256).
-MIN_DENSE_TOKENS = 128
+# gathered 256 each chunk; now 192, 192, 256, 256). The least is 192, not 128: a conversation
+# under 192 tokens compiles one gather length, as under 256 before.
+MIN_DENSE_TOKENS = 192
 
 
 # Packed extends cut waiting tokens into rows of `extend_tile`; deterministic decode steps run
