@@ -10,28 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from muajax import parallel
-from muajax.models.qwen3 import forward, init_params
+from muajax.models.qwen3 import forward
 from muajax.rl.grpo import GRPOConfig, make_grpo_step, make_old_logprobs_fn
 from muajax.rl.optim import make_optimizer
-from tests.support.tiny_models import ONE_LAYER_CONFIG
+from tests.support.tiny_models import ONE_LAYER_CONFIG, grpo_update_setup
 
 CFG = ONE_LAYER_CONFIG.replace(rope_theta=10000.0)
 B, T = 4, 16
 
 
 @pytest.fixture(scope="module")
-def setup():
-    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    params = init_params(CFG, jax.random.key(0))
-    rng = np.random.default_rng(0)
-    mask = np.zeros((B, T), np.int32)
-    mask[:, 5:] = 1
-    batch = dict(tokens=rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32), loss_mask=mask,
-                 # a rollout policy far from the trainer's: every ratio would be clipped
-                 old_logprobs=np.where(mask > 0, -9.0, 0.0).astype(np.float32),
-                 advantages=np.array([0.7071, -0.7071, 0.7071, -0.7071], np.float32))
-    return mesh, params, batch
+def setup():  # the rollout's logprobs far below the trainer's: every ratio would be clipped
+    return grpo_update_setup(CFG, [0.7071, -0.7071, 0.7071, -0.7071], B, T)
 
 
 def first_pass(mesh, params, batch, **options):

@@ -53,6 +53,26 @@ def random_ids(rng, n: int, cfg: Qwen3Config = ENGINE_CONFIG) -> list[int]:
     return [int(t) for t in rng.randint(0, cfg.vocab_size, n)]
 
 
+def grpo_update_setup(cfg: Qwen3Config, advantages, batch: int = 4, length: int = 16):
+    """(one-device mesh, params, batch) for a GRPO update of `cfg`: random tokens, the loss on
+    positions 5 on, rollout logprobs of -9 there (far below the trainer's: every ratio to them
+    is large) and the given per-row `advantages`. The old-logprob and off-policy tests share it."""
+    import jax
+    import numpy as np
+
+    from muajax import parallel
+    from muajax.models.qwen3 import init_params
+    mesh = parallel.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    params = init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    mask = np.zeros((batch, length), np.int32)
+    mask[:, 5:] = 1
+    rows = dict(tokens=rng.integers(0, cfg.vocab_size, (batch, length)).astype(np.int32), loss_mask=mask,
+                old_logprobs=np.where(mask > 0, -9.0, 0.0).astype(np.float32),
+                advantages=np.asarray(advantages, np.float32))
+    return mesh, params, rows
+
+
 def arch_override(**changes) -> str:
     """`model.arch={...}`: TINY_ARCH with `changes`, as a run-config override."""
     arch = yaml.safe_dump({**TINY_ARCH, **changes}, default_flow_style=True, sort_keys=False, width=float("inf"))
