@@ -24,7 +24,7 @@ from muajax.agent.rollout_config import RolloutConfig
 from muajax.settings.fields import ConfigError, bounded, check, from_dict
 from muajax.settings.loader import deep_merge, parse_overrides, read_yaml
 from muajax.domains.builtin.tasks import check_kind_weights
-from muajax.domains.latency import reply_delay
+from muajax.domains.user_config import UserConfig
 from muajax.domains.mcp.config import McpConfig, McpServerConfig
 from muajax.rl.grpo import GRPOConfig
 
@@ -36,7 +36,6 @@ __all__ = ["ConfigError", "load_config", "TrainConfig", "RunConfig", "ArchConfig
 Stage = Literal["sft", "grpo"]
 Dtype = Literal["float32", "bfloat16"]
 Schedule = Literal["constant", "warmup_cosine"]
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,46 +195,6 @@ class EnvConfig:
                 check_kind_weights(self.builtin_kind_weights)
             except ValueError as exc:
                 check(False, "builtin_kind_weights", str(exc))
-
-
-@dataclasses.dataclass(frozen=True)
-class UserConfig:
-    """The simulated user. For `openai` the key is read from the env var `api_key_env`."""
-
-    kind: Literal["scripted", "openai"] = "scripted"  # "scripted" (built-in domain only) or "openai" (an LLM endpoint)
-    base_url: str | None = None  # the OpenAI-compatible endpoint; None: https://api.openai.com/v1
-    model: str | None = None  # the endpoint's model name (required for "openai")
-    api_key_env: str | None = "OPENAI_API_KEY"  # the NAME of the variable holding the key (local hosts need none)
-    timeout_s: float = bounded(60.0, gt=0)  # seconds per request to the endpoint
-    max_retries: int = bounded(3, ge=0)  # retries of a failed request (with backoff) before the reply fails
-    max_concurrency: int = bounded(16, ge=1)  # requests in flight at once, over all sessions
-    temperature: float = bounded(0.0, ge=0)  # its sampling temperature (the paper's ran greedy in training)
-    # The scripted users' (built-in, BFCL) reply delay, so an offline run waits on its users as
-    # one against an LLM user does (GPT-4o: 1-3 s a reply): its mean in seconds, waited with
-    # asyncio.sleep (the other conversations, the engine and the update go on) and counted in
-    # the reply's latency (evaluations too, unless eval.user is set). 0: answer at once. An
-    # openai endpoint's latency is its own.
-    latency_s: float = bounded(0.0, ge=0)
-    # The delay's standard deviation as a share of its mean (0: always latency_s); uniform: at
-    # most 0.577 (mean x (1 +- sqrt(3) x jitter)), lognormal: any.
-    latency_jitter: float = bounded(0.0, ge=0)
-    # The delay's shape: uniform, or lognormal (right-skewed, as an endpoint's latency is).
-    latency_distribution: Literal["uniform", "lognormal"] = "uniform"
-    # Seeds the delays: each session draws its own stream (by task id and how many sessions of
-    # that task came before), so a run repeats them whatever order its conversations ask in.
-    latency_seed: int = 0
-
-    def validate(self) -> None:
-        check(self.kind != "openai" or bool(self.model), "model", "is required when user.kind is 'openai'")
-        check(self.kind != "openai" or self.latency_s == 0, "latency_s",
-              "delays the scripted users only; user.kind 'openai' waits on its endpoint (set it to 0)")
-        try:
-            reply_delay(self)
-        except ValueError as exc:
-            check(False, "latency_jitter", str(exc))
-        # A pasted key (e.g. 'sk-...') fails this pattern; the value is not echoed.
-        check(self.api_key_env is None or bool(_ENV_NAME.match(self.api_key_env)), "api_key_env",
-              "must be the NAME of an environment variable (letters, digits, '_'), not the key itself")
 
 
 @dataclasses.dataclass(frozen=True)

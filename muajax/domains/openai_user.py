@@ -6,10 +6,16 @@ system prompt is the user guidelines plus the task scenario, its own turns are
 text arrives as "user" messages. The agent's tool calls and tool results never enter it.
 
 Reliability: every request has a timeout; connection errors, timeouts, 408/409/429 and
-5xx are retried with exponential backoff and jitter; one `asyncio.Semaphore` caps the
-requests in flight across all sessions of a simulator. When every attempt fails,
-`reply` returns `UserTurn(failed=True, error=...)` instead of raising, so one flaky
-endpoint cannot take down a batch of rollouts.
+5xx are retried with exponential backoff and jitter, waiting at least what a Retry-After
+asks; one `asyncio.Semaphore` caps the requests in flight across all sessions of a
+simulator. Pacing (`muajax.domains.pacing`): `requests_per_minute` and `tokens_per_minute`
+start requests no faster than the endpoint allows, through a limiter the whole process
+shares. `turn_timeout_s` bounds one whole user turn (waits for a slot and for the limiter,
+every attempt, backoff and round of the user's own tools): a retry whose wait would end
+past the deadline is not waited for, and the turn fails at the deadline whatever is in
+flight. When a turn fails, `reply` returns `UserTurn(failed=True, error=...)` instead of
+raising, so one flaky endpoint cannot take down a batch of rollouts (the rollout counts as
+a user failure, out of the update).
 
 The API key is read from the environment variable named by `api_key_env`, at
 construction; it is handed to the client and is never logged, stored on the simulator,
@@ -32,6 +38,7 @@ from typing import Any
 import openai
 
 from muajax.settings.secrets import redact, redact_url
+from muajax.domains.pacing import estimate_tokens, retry_after_s, shared_limiter
 from muajax.models.tokenizer import strip_control_tokens
 from muajax.domains.base import EnvSession, Observation, Task, ToolCall
 from muajax.domains.base import UserSession, UserSimulator, UserTurn, find_end_token
@@ -94,11 +101,23 @@ class MissingApiKeyError(ValueError):
 
 
 def _retry_after_s(error: openai.APIStatusError) -> float | None:
-    try:
-        value = error.response.headers.get("retry-after")
-        return float(value) if value is not None else None
-    except (AttributeError, TypeError, ValueError):
-        return None
+    return retry_after_s(getattr(getattr(error, "response", None), "headers", None))
+
+
+# name: (the least value, whether it may equal it); None passes (no limit) where allowed
+_LOWER_BOUNDS = {"temperature": (0, True), "max_tokens": (1, True), "timeout_s": (0, False),
+                 "max_retries": (0, True), "max_concurrency": (1, True), "max_user_tool_steps": (0, True),
+                 "turn_timeout_s": (0, False)}
+_MAY_BE_NONE = frozenset({"max_tokens", "turn_timeout_s"})
+
+
+def _check_numbers(**values: Any) -> None:
+    for name, value in values.items():
+        least, inclusive = _LOWER_BOUNDS[name]
+        if value is None and name in _MAY_BE_NONE:
+            continue
+        if value is None or not (value >= least if inclusive else value > least):
+            raise ValueError(f"{name} must be {'>=' if inclusive else '>'} {least}, got {value}")
 
 
 class OpenAIUserSimulator(UserSimulator):
@@ -121,6 +140,9 @@ class OpenAIUserSimulator(UserSimulator):
         max_user_tool_steps: int = 10,
         extra_body: dict[str, Any] | None = None,
         seed: int | None = None,
+        requests_per_minute: float | None = None,
+        tokens_per_minute: float | None = None,
+        turn_timeout_s: float | None = None,
     ):
         if not isinstance(model, str) or not model:
             raise ValueError("model must be a non-empty string (the endpoint's model name)")
@@ -130,20 +152,12 @@ class OpenAIUserSimulator(UserSimulator):
             raise ValueError("api_key_env must name an environment variable")
         if not isinstance(guidelines, str):
             raise TypeError("guidelines must be a str")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        _check_numbers(temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s, max_retries=max_retries,
+                       max_concurrency=max_concurrency, max_user_tool_steps=max_user_tool_steps,
+                       turn_timeout_s=turn_timeout_s)
         if backoff_base_s < 0 or backoff_max_s < backoff_base_s:
             raise ValueError("need 0 <= backoff_base_s <= backoff_max_s")
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if max_user_tool_steps < 0:
-            raise ValueError(f"max_user_tool_steps must be >= 0, got {max_user_tool_steps}")
+        self._limiter = shared_limiter(base_url, model, requests_per_minute, tokens_per_minute)
 
         _redact_http_logs()
         api_key = os.environ.get(api_key_env, "")
@@ -166,6 +180,7 @@ class OpenAIUserSimulator(UserSimulator):
         self.backoff_max_s = backoff_max_s
         self.max_concurrency = max_concurrency
         self.max_user_tool_steps = max_user_tool_steps
+        self.turn_timeout_s = turn_timeout_s
         self.extra_body = dict(extra_body or {})
         # The client does no retrying of its own: the policy (and its counters) lives here.
         self._client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
@@ -177,6 +192,8 @@ class OpenAIUserSimulator(UserSimulator):
         self.timeouts = 0
         self.user_tool_calls = 0
         self.turns = 0
+        self.throttled = 0  # 429 answers
+        self.deadline_failures = 0  # turns failed at (or so as not to pass) their turn_timeout_s
 
     def __repr__(self) -> str:
         return (
@@ -191,6 +208,7 @@ class OpenAIUserSimulator(UserSimulator):
         return {
             "requests": self.requests, "retries": self.retries, "failures": self.failures,
             "timeouts": self.timeouts, "user_tool_calls": self.user_tool_calls, "turns": self.turns,
+            "throttled": self.throttled, "deadline_failures": self.deadline_failures,
         }
 
     def system_prompt(self, task: Task) -> str:
@@ -214,14 +232,11 @@ class OpenAIUserSimulator(UserSimulator):
     def _backoff_s(self, attempt: int, retry_after: float | None) -> float:
         delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         delay *= 0.5 + self._rng.random()  # jitter spreads a herd of retrying rollouts apart
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, self.backoff_max_s))
+        if retry_after is not None:  # the endpoint's word is a floor; the turn's deadline bounds it
+            delay = max(delay, retry_after)
         return delay
 
-    async def complete(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> tuple[Any | None, str | None]:
-        """(the reply message, None), or (None, error) once retries are exhausted."""
+    def _request(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": self.temperature}
         if self.max_tokens is not None:
             kwargs["max_tokens"] = self.max_tokens
@@ -229,18 +244,44 @@ class OpenAIUserSimulator(UserSimulator):
             kwargs["tools"] = tools
         if self.extra_body:
             kwargs["extra_body"] = self.extra_body
+        return kwargs
+
+    def _settle(self, response: Any, estimate: int) -> None:
+        """Charge the limiter what a reply used beyond the request's estimate."""
+        usage = getattr(response, "usage", None)
+        used = getattr(usage, "total_tokens", None) if usage is not None else None
+        if self._limiter is not None and isinstance(used, int) and used > estimate:
+            self._limiter.charge(used - estimate)
+
+    async def complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+        deadline: float | None = None,
+    ) -> tuple[Any | None, str | None]:
+        """(the reply message, None), or (None, error) once retries are exhausted or the next
+        wait (backoff, Retry-After, the rate limiter) would end past `deadline` (time.monotonic)."""
+        kwargs = self._request(messages, tools)
+        estimate = estimate_tokens(messages, tools, self.max_tokens) if self._limiter is not None else 0
         last_error = "no attempt made"
         retry_after: float | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
-                self.retries += 1
                 delay = self._backoff_s(attempt, retry_after)
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    self.deadline_failures += 1
+                    return None, (f"{last_error}; its retry (in {delay:.2f}s) would pass the turn's deadline "
+                                  f"(turn_timeout_s={self.turn_timeout_s})")
+                self.retries += 1
                 log.warning("user simulator: attempt %d/%d failed (%s); retrying in %.2fs",
                             attempt, self.max_retries + 1, last_error, delay)
                 await asyncio.sleep(delay)
             retry_after = None
             try:
                 async with self._semaphore:
+                    # Paced inside the slot: a request starts the moment the limiter lets it.
+                    if self._limiter is not None and not await self._limiter.acquire(estimate, deadline):
+                        self.deadline_failures += 1
+                        return None, (f"the rate limit ({self._limiter}) would start the request past the turn's "
+                                      f"deadline (turn_timeout_s={self.turn_timeout_s}); last error: {last_error}")
                     self.requests += 1
                     # The client's own timeout covers each socket operation; this one bounds
                     # the whole request, so a server that trickles bytes cannot hang a rollout.
@@ -255,12 +296,14 @@ class OpenAIUserSimulator(UserSimulator):
                 continue
             except openai.APIStatusError as e:
                 last_error = self._redact(f"HTTP {e.status_code}: {e.message}")
+                self.throttled += e.status_code == 429
                 if e.status_code in _RETRY_STATUS or e.status_code >= 500:
                     retry_after = _retry_after_s(e)
                     continue
                 return None, last_error  # 4xx other than the above will not get better
             except openai.OpenAIError as e:
                 return None, self._redact(f"{type(e).__name__}: {e}")
+            self._settle(response, estimate)
             if not response.choices:
                 last_error = "the endpoint returned no choices"
                 continue
@@ -286,30 +329,45 @@ class OpenAIUserSession(UserSession):
 
     async def reply(self, agent_message: str) -> UserTurn:
         """The user's next message. `latency_s` covers the whole turn: retries, backoff and
-        any rounds of the user's own tool calls."""
+        any rounds of the user's own tool calls; `turn_timeout_s` bounds it."""
         sim = self.simulator
         t0 = time.monotonic()
         rollback = len(self.messages)
         # The caller passes the agent's visible text only (see `UserSession.reply`).
         self.messages.append({"role": "user", "content": strip_control_tokens(str(agent_message))})
+        if sim.turn_timeout_s is None:
+            text, error = await self._turn(None)
+        else:
+            try:
+                async with asyncio.timeout(sim.turn_timeout_s):
+                    text, error = await self._turn(t0 + sim.turn_timeout_s)
+            except TimeoutError:
+                sim.deadline_failures += 1
+                text, error = None, f"no reply within the turn's deadline (turn_timeout_s={sim.turn_timeout_s})"
+        if error is not None:
+            # A failed turn leaves the history as it was, so the caller may retry it.
+            del self.messages[rollback:]
+            sim.failures += 1
+            log.error("user simulator for task %s failed: %s", self.task.task_id, error)
+            return UserTurn("", latency_s=time.monotonic() - t0, failed=True, error=error)
+        self.messages.append({"role": "assistant", "content": text})
+        sim.turns += 1
+        text = strip_control_tokens(text)
+        return UserTurn(text, end=find_end_token(text), latency_s=time.monotonic() - t0)
+
+    async def _turn(self, deadline: float | None) -> tuple[str | None, str | None]:
+        """(the user's text, None) or (None, the error): requests, and rounds of the user's tools."""
+        sim = self.simulator
         for step in range(sim.max_user_tool_steps + 1):
-            message, error = await sim.complete(self.messages, self.tools)
+            message, error = await sim.complete(self.messages, self.tools, deadline=deadline)
             if error is None and message.tool_calls and self.tools and step == sim.max_user_tool_steps:
                 error = f"the user made more than {sim.max_user_tool_steps} rounds of tool calls in one turn"
             if error is not None:
-                # A failed turn leaves the history as it was, so the caller may retry it.
-                del self.messages[rollback:]
-                sim.failures += 1
-                log.error("user simulator for task %s failed: %s", self.task.task_id, error)
-                return UserTurn("", latency_s=time.monotonic() - t0, failed=True, error=error)
+                return None, error
             if message.tool_calls and self.tools:
                 self._run_tools(message, step)
                 continue
-            text = message.content or ""
-            self.messages.append({"role": "assistant", "content": text})
-            sim.turns += 1
-            text = strip_control_tokens(text)
-            return UserTurn(text, end=find_end_token(text), latency_s=time.monotonic() - t0)
+            return message.content or "", None
         raise AssertionError("unreachable: the loop returns on its last step")
 
     def _run_tools(self, message: Any, step: int) -> None:

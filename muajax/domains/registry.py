@@ -53,6 +53,13 @@ def make_environment(env_cfg) -> Environment:
     raise DomainConfigError(f"env.domain: unknown domain {domain!r}")
 
 
+def process_count() -> int:
+    """The run's processes (hosts) once `jax.distributed` is up, else 1; never starts a backend."""
+    import jax
+
+    return jax.process_count() if jax.distributed.is_initialized() else 1
+
+
 def make_user(user_cfg, env_cfg) -> UserSimulator:
     if env_cfg.domain == "bfcl":
         # BFCL's user turns are the benchmark's data, never a model
@@ -71,9 +78,13 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
         return ScriptedUser(delay=reply_delay(user_cfg))
     from muajax.domains.openai_user import MissingApiKeyError, OpenAIUserSimulator
 
+    share = process_count()
     kwargs = dict(model=user_cfg.model, api_key_env=user_cfg.api_key_env, timeout_s=user_cfg.timeout_s,
                   max_retries=user_cfg.max_retries, max_concurrency=user_cfg.max_concurrency,
-                  temperature=user_cfg.temperature)
+                  temperature=user_cfg.temperature, turn_timeout_s=user_cfg.turn_timeout_s,
+                  # the config's rate limits are the whole run's: each process paces its share
+                  requests_per_minute=user_cfg.requests_per_minute and user_cfg.requests_per_minute / share,
+                  tokens_per_minute=user_cfg.tokens_per_minute and user_cfg.tokens_per_minute / share)
     if user_cfg.base_url:
         kwargs["base_url"] = user_cfg.base_url
     names = tau2_domains(env_cfg)

@@ -16,8 +16,9 @@ computes in exact arithmetic:
   `rollout.attention`, `rollout.mesh`, `rollout.keep_kv_pool`) and its fixed-shape calls
   (`rollout.deterministic`). These may change float rounding, not the method; a
   bitwise-equal continuation needs them unchanged too;
-- how the simulated user is reached: `user.base_url`, `user.api_key_env`,
-  `user.timeout_s`, `user.max_retries`, `user.max_concurrency`;
+- how the simulated user is reached and paced: `user.base_url`, `user.api_key_env`,
+  `user.timeout_s`, `user.max_retries`, `user.max_concurrency`, `user.requests_per_minute`,
+  `user.tokens_per_minute`, `user.turn_timeout_s`;
 - the stop guards: `grpo.max_consecutive_skips`, `sft.max_consecutive_skips`.
 
 Every other key changes the math and stops a resume, naming the keys, unless the run is
@@ -57,6 +58,7 @@ MAY_CHANGE = ("run.name", "run.out_dir", "run.gpu_memory_fraction", "checkpoint.
               "rollout.mesh", "rollout.mesh.", "rollout.keep_kv_pool", "rollout.deterministic", "rollout.call_layout",
               "rollout.extend_tile", "rollout.decode_tile",
               "user.base_url", "user.api_key_env", "user.timeout_s", "user.max_retries", "user.max_concurrency",
+              "user.requests_per_minute", "user.tokens_per_minute", "user.turn_timeout_s",
               "user.latency_s", "user.latency_jitter", "user.latency_distribution", "user.latency_seed",
               "grpo.max_consecutive_skips", "sft.max_consecutive_skips", "rollout.max_failed_share")
 _ABSENT = "(absent)"

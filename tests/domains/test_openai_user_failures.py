@@ -37,7 +37,7 @@ def test_retries_transient_errors(status):
     assert not turn.failed and turn.text == "echo[3]: hello"
     assert outcomes == ["failed", "failed", "ok"]
     assert sim.stats() == {"requests": 3, "retries": 2, "failures": 0, "timeouts": 0,
-                                "user_tool_calls": 0, "turns": 1}
+                           "user_tool_calls": 0, "turns": 1, "throttled": 2 * (status == 429), "deadline_failures": 0}
 
 
 def test_stall_hits_timeout_then_retries():
