@@ -105,15 +105,24 @@ def task_records(trajectories: Sequence[Trajectory], trials: int) -> list[dict[s
     return records
 
 
-def evaluate_policy(engine, tokenizer, domain: Domain, tasks: Sequence[Task], *, trials: int = 1,
-                    temperature: float = 0.0, options: RolloutConfig | None = None, seed: int = 0,
-                    communicate_info: bool = True) -> tuple[dict[str, Any], list[Trajectory]]:
-    """Roll out every task `trials` times and summarize (over all, and `by_domain` when the
-    tasks span several domains); the options' other settings (turns, context, ...) stay as given."""
-    batch = run_rollouts_sync(engine, tokenizer, domain.env, domain.user, list(tasks), options=options, seed=seed,
-                              n_per_task=trials, temperature=temperature, communicate_info=communicate_info)
-    summary = summarize(batch, trials)
-    domains = summarize_domains(batch, trials)
+def evaluation_summary(trajectories: Sequence[Trajectory], trials: int) -> dict[str, Any]:
+    """`summarize` over all, and `by_domain` when the tasks span several domains."""
+    summary = summarize(trajectories, trials)
+    domains = summarize_domains(trajectories, trials)
     if len(domains) > 1:
         summary["by_domain"] = domains
-    return summary, list(batch)
+    return summary
+
+
+def evaluate_policy(engine, tokenizer, domain: Domain, tasks: Sequence[Task], *, trials: int = 1,
+                    temperature: float = 0.0, options: RolloutConfig | None = None, seed: int = 0,
+                    communicate_info: bool = True,
+                    first_task_index: int = 0) -> tuple[dict[str, Any], list[Trajectory]]:
+    """Roll out every task `trials` times and summarize (`evaluation_summary`); the options'
+    other settings (turns, context, ...) stay as given. `tasks` may be one process's share
+    of an evaluation that starts at task `first_task_index` (the seeds are then the whole
+    evaluation's); its summary is of that share."""
+    batch = run_rollouts_sync(engine, tokenizer, domain.env, domain.user, list(tasks), options=options, seed=seed,
+                              n_per_task=trials, temperature=temperature, communicate_info=communicate_info,
+                              first_task_index=first_task_index)
+    return evaluation_summary(batch, trials), list(batch)

@@ -25,7 +25,9 @@ Who rolls out what
 Process p rolls out tasks [p*k, (p+1)*k) of the step (k = tasks_per_step / processes) with
 their global task indices, so rollout seeds, group ids and hence the trajectories are the
 ones a one-process run would produce; `muajax.runtime.host_batch` joins the processes'
-rows into the step's global batch.
+rows into the step's global batch. The held-out evaluation is split alike
+(`evaluation_share`: blocks that may differ by one task) and its trajectories gathered to
+every process (`gather_for_report`): every host computes the same report, process 0 writes it.
 
 Everything here is a no-op (or a plain call) with one process, so single-process runs
 take exactly the code path they always took. Every function that talks to other processes
@@ -101,6 +103,18 @@ def task_share(tasks: Sequence[T], process_index: int | None = None,
     return index * k, list(tasks[index * k:(index + 1) * k])
 
 
+def evaluation_share(tasks: Sequence[T], process_index: int | None = None,
+                     process_count: int | None = None) -> tuple[int, list[T]]:
+    """(global index of this process's first held-out task, its tasks) for an evaluation:
+    contiguous blocks in process order whose sizes differ by at most one (a held-out set
+    need not divide evenly; with fewer tasks than processes some get none). Rolled out at
+    their global indices, they give the trajectories a one-process evaluation gives."""
+    count = jax.process_count() if process_count is None else process_count
+    index = jax.process_index() if process_index is None else process_index
+    start, end = index * len(tasks) // count, (index + 1) * len(tasks) // count
+    return start, list(tasks[start:end])
+
+
 # ---------------------------------------------------------------------- talking to other processes
 
 
@@ -162,6 +176,18 @@ def gather_for_metrics(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
     light = [dataclasses.replace(t, tokens=range(len(t.tokens)), loss_mask=[1] * t.num_sampled, logprobs=[],
                                  messages=[], assistant_texts=[], sampled_spans=[]) for t in trajectories]
     return [t for part in allgather_objects(light) for t in part]
+
+
+def gather_for_report(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Every process's trajectories, one list per process in process order, for a report
+    that every process then computes alike (`muajax.train.trainer.evaluate`): transcripts,
+    outcomes and counters kept, the token-level lists cut to their length and the number of
+    sampled tokens (what `rollout_record` reads)."""
+    if not multiprocess():
+        return [list(trajectories)]
+    light = [dataclasses.replace(t, tokens=range(len(t.tokens)), loss_mask=[1] * t.num_sampled, logprobs=[],
+                                 assistant_texts=[], sampled_spans=[]) for t in trajectories]
+    return allgather_objects(light)
 
 
 # ---------------------------------------------------------------------- rollouts on local devices

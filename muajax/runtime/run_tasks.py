@@ -2,8 +2,9 @@
 its domain's environment: the trainer's `RunContext` and the planner both ask here.
 
 The engine holds this process's share of a GRPO step's conversations at once, or without
-`rollout.num_slots` the larger of all of a step's and the evaluation's (trials x held-out
-tasks, which every process runs whole). With `rollout.num_slots` set, that is the cap: the
+`rollout.num_slots` the larger of that and its share of the evaluation's (trials x its
+held-out tasks: `muajax.runtime.distributed.evaluation_share` gives a process at most
+ceil(tasks / processes)). With `rollout.num_slots` set, that is the cap: the
 conversations beyond it, the evaluation's included, queue for a slot (`muajax.agent.rollout`)."""
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def rollout_slots(cfg, processes: int) -> int:
 
 def engine_slots(cfg, env, processes: int) -> int:
     """Slots for one process's share of a GRPO step and, unless `rollout.num_slots` caps
-    them, for the evaluation (run whole)."""
+    them, for its share of the evaluation."""
     if cfg.rollout.num_slots is not None:
         return rollout_slots(cfg, processes)
-    return max(rollout_slots(cfg, processes), eval_conversations(cfg, env))
+    return max(rollout_slots(cfg, processes), eval_conversations(cfg, env, processes))
 
 
-def eval_conversations(cfg, env) -> int:
-    return eval_trials(cfg) * len(eval_tasks(cfg, env))
+def eval_conversations(cfg, env, processes: int = 1) -> int:
+    """The evaluation's conversations on the process with the largest share (all of them
+    with one process)."""
+    return eval_trials(cfg) * -(-len(eval_tasks(cfg, env)) // processes)

@@ -77,8 +77,7 @@ class RunContext:
         return run_tasks.rollout_slots(self.cfg, jax.process_count())
 
     def engine_slots(self) -> int:
-        """Enough slots for this process's share of a GRPO step and for the evaluation (which
-        every process runs whole)."""
+        """Enough slots for this process's share of a GRPO step and of the evaluation."""
         return run_tasks.engine_slots(self.cfg, self.domain.env, jax.process_count())
 
     def engine(self, params) -> Engine:

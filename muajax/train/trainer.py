@@ -14,11 +14,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from muajax.agent.pass_k import evaluate_policy, task_records
+from muajax.agent.pass_k import evaluate_policy, evaluation_summary, task_records
 from muajax.settings.loader import dump_yaml
 from muajax.config.schema import TrainConfig
 from muajax.domains.base import Domain
-from muajax.runtime import build
+from muajax.runtime import build, distributed
 from muajax.train.context import RunContext, build_context
 from muajax.train.grpo import run_grpo
 from muajax.runtime.resume import check_checkpoint_layouts, plan_resume
@@ -38,22 +38,34 @@ def params_fingerprint(params) -> str:
 
 
 def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
-    """Held-out evaluation of `params`; writes `eval_<label>.json` and prints its line."""
+    """Held-out evaluation of `params`, split across processes as a step's rollouts are:
+    each rolls out its share of the tasks at their global indices (hence the seeds and
+    trajectories of a one-process evaluation), the trajectories are gathered, and every
+    process computes the same summary. Process 0 writes `eval_<label>.json` (each task with
+    the process that evaluated it) and prints its line."""
     e = ctx.cfg.eval
     t0 = time.time()
-    summary, trajectories = evaluate_policy(ctx.engine(params), ctx.tok, ctx.eval_domain(), ctx.eval_tasks(),
-                                            trials=ctx.eval_trials(), temperature=e.temperature,
-                                            options=ctx.cfg.rollout, seed=ctx.cfg.run.seed + EVAL_SEED_OFFSET,
-                                            communicate_info=e.communicate_info)
+    trials = ctx.eval_trials()
+    first, share = distributed.evaluation_share(ctx.eval_tasks())
+    _, mine = evaluate_policy(ctx.engine(params), ctx.tok, ctx.eval_domain(), share, trials=trials,
+                              temperature=e.temperature, options=ctx.cfg.rollout,
+                              seed=ctx.cfg.run.seed + EVAL_SEED_OFFSET, communicate_info=e.communicate_info,
+                              first_task_index=first)
+    parts = distributed.gather_for_report(mine)
+    trajectories = [t for part in parts for t in part]
+    summary = evaluation_summary(trajectories, trials)
+    summary["conversations_per_process"] = [len(part) for part in parts]
     summary["wall_s"] = time.time() - t0
     if ctx.main:
+        process = {(t.domain, t.task_id): p for p, part in enumerate(parts) for t in part}
+        records = [dict(r, process=process[(r["domain"], r["task_id"])]) for r in task_records(trajectories, trials)]
         with open(os.path.join(ctx.run_dir, f"eval_{label}.json"), "w") as f:
-            json.dump({"summary": summary, "tasks": task_records(trajectories, ctx.eval_trials())}, f, indent=1,
-                      default=str)
+            json.dump({"summary": summary, "tasks": records}, f, indent=1, default=str)
         rate = summary["confirm_rate"]
         print(f"[{label}] held-out success {summary['success']:.3f} on {summary['tasks']} tasks, "
               f"confirm-before-write {'n/a' if rate is None else f'{rate:.3f}'}, "
-              f"turns {summary['turns']:.1f} ({summary['wall_s']:.0f}s)", flush=True)
+              f"turns {summary['turns']:.1f} ({summary['wall_s']:.0f}s"
+              f"{f', split across {len(parts)} processes' if len(parts) > 1 else ''})", flush=True)
         for domain, part in summary.get("by_domain", {}).items():
             print(f"[{label}]   {domain}: success {part['success']:.3f} on {part['tasks']} tasks, "
                   f"pass^1 {part['pass^1']:.3f}", flush=True)

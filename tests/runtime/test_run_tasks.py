@@ -25,7 +25,8 @@ def config(*overrides):
 def test_the_engine_holds_a_step_or_the_whole_evaluation():
     env = Env(train=10, test=5)
     assert run_tasks.engine_slots(config(), env, processes=1) == 15  # 3 trials x 5 held-out tasks > 8
-    assert run_tasks.engine_slots(config(), env, processes=2) == 15  # every process runs the evaluation whole
+    assert run_tasks.engine_slots(config(), env, processes=2) == 9  # 3 trials x its 3 of the 5 held-out tasks > 4
+    assert run_tasks.engine_slots(config(), env, processes=5) == 3  # a task each: its 3 trials > the step's 2
     assert run_tasks.engine_slots(config("eval.max_tasks=1"), env, processes=1) == 8  # the step's 8
     assert run_tasks.engine_slots(config("eval.temperature=0"), env, processes=1) == 8  # greedy: one trial
 
