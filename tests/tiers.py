@@ -42,6 +42,7 @@ SLOW = {
     # --- multi-host: two jax processes. Default tier: test_distributed_helpers_across_two_processes.
     "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[0]": 75,
     "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[1]": 66,
+    "tests/train/test_multihost_eval.py::test_two_processes_evaluate_a_share_each_and_report_what_one_process_reports": 123,
     # --- asynchronous GRPO's whole runs. Default tier: the handoff and rollout thread's unit
     # tests (tests/train/test_async_grpo.py, tests/runtime/test_rollout_engine.py).
     "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[2-True]": 14,
