@@ -16,7 +16,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-tar -C "$root" --exclude=.git --exclude=runs --exclude=checkpoints --exclude=__pycache__ -czf "$tmp/muajax.tgz" .
+run tar -C "$root" --exclude=.git --exclude=runs --exclude=checkpoints --exclude=__pycache__ -czf "$tmp/muajax.tgz" .
 tpu_scp "$tmp/muajax.tgz"
 tpu_ssh "set -e
   rm -rf ~/$REMOTE_DIR && mkdir -p ~/$REMOTE_DIR && tar -C ~/$REMOTE_DIR -xzf ~/muajax.tgz && rm ~/muajax.tgz
@@ -26,13 +26,17 @@ tpu_ssh "set -e
   uv pip install --python ~/$VENV/bin/python -e ~/$REMOTE_DIR'[tpu]' gcsfs google-cloud-storage"
 
 if [[ -n "${SECRETS:-}" ]]; then
-  (
-    umask 077
-    for name in $SECRETS; do
-      if [[ -z "${!name:-}" ]]; then echo "SECRETS names $name, which is not set here" >&2; exit 2; fi
-      printf 'export %s=%q\n' "$name" "${!name}"
-    done > "$tmp/.muajax_env"
-  )
+  for name in $SECRETS; do
+    if [[ -z "${!name:-}" ]]; then echo "SECRETS names $name, which is not set here" >&2; exit 2; fi
+  done
+  if [[ -n "$DRY_RUN" ]]; then
+    echo "# writes $tmp/.muajax_env (mode 600): export $SECRETS, with their values here (not printed)"
+  else
+    (
+      umask 077
+      for name in $SECRETS; do printf 'export %s=%q\n' "$name" "${!name}"; done > "$tmp/.muajax_env"
+    )
+  fi
   tpu_scp "$tmp/.muajax_env"
   tpu_ssh "chmod 600 ~/.muajax_env"
 fi

@@ -2,17 +2,19 @@
 # Runs on every TPU worker, started there by tpu/launch.sh: training, then worker 0 (the only
 # one that writes run files) copies the run directory to the bucket.
 #   tpu/worker_run.sh RUN BUCKET VENV [python -m muajax.train arguments ...]
+cd "$(dirname "$0")/.."
+# shellcheck source=../scripts/dry_run.sh
+source scripts/dry_run.sh  # --dry-run: print the commands instead
 run=$1 bucket=$2 venv=$3
 shift 3
-cd "$(dirname "$0")/.."
 # shellcheck disable=SC1090
 [[ -f ~/.muajax_env ]] && source ~/.muajax_env
 export MUAJAX_DISTRIBUTED=auto
-worker=$(curl -s -H Metadata-Flavor:Google \
+worker=$(ask 0 curl -s -H Metadata-Flavor:Google \
   http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)
-"$HOME/$venv/bin/python" -m muajax.train "$@"
+run "$HOME/$venv/bin/python" -m muajax.train "$@"
 status=$?
-if [[ "$worker" == 0 && -d "runs/$run" ]]; then
-  gcloud storage rsync -r "runs/$run" "gs://$bucket/$run/run"
+if [[ "$worker" == 0 && ( -d "runs/$run" || -n "$DRY_RUN" ) ]]; then
+  run gcloud storage rsync -r "runs/$run" "gs://$bucket/$run/run"
 fi
 exit $status
