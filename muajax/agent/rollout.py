@@ -14,6 +14,11 @@ key from (seed, position): samples do not depend on scheduling. Nor do the numbe
 drawn from, when the engine's calls have fixed shapes (`rollout.deterministic`,
 `Engine(batch_rows=...)`): then the same seed gives the same bits whatever the timing of
 users and tools. The system prompt is registered as the engine's shared prefix.
+
+A stop request (`stop`, by default the process's own: `muajax.runtime.stopping` sets it on
+SIGTERM) is seen between engine calls and, while every conversation waits on its user or
+tools, every `STOP_POLL_S`: the conversations in flight are dropped (their slots released,
+their user and tool jobs cancelled) and `RolloutsStopped` is raised.
 """
 from __future__ import annotations
 
@@ -42,6 +47,22 @@ from muajax.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
+STOP_POLL_S = 0.2  # how often a rollout whose conversations all wait on I/O looks at its stop request
+
+
+class RolloutsStopped(RuntimeError):
+    """The rollouts were stopped on request (SIGTERM, a preemption notice): the conversations
+    in flight were dropped, none of them was returned."""
+
+
+_default_stop: list = [None]
+
+
+def set_default_stop(event) -> None:
+    """The stop request (anything with `is_set()`, e.g. a `threading.Event`; None: none) that
+    rollouts started without a `stop` of their own obey."""
+    _default_stop[0] = event
+
 
 def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
     """A uint32 sampling seed that depends only on (seed, task index, rollout index)."""
@@ -52,7 +73,9 @@ def rollout_seed(seed: int, task_index: int, rollout_index: int) -> int:
 
 class _Driver:
     def __init__(self, engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task],
-                 options: RolloutConfig, seed: int, first_task_index: int = 0, weights=None):
+                 options: RolloutConfig, seed: int, first_task_index: int = 0, weights=None, stop=None):
+        self.stop = stop  # a stop request: anything with `is_set()`
+        self._reply: asyncio.Future | None = None  # the inbox read a stop check may leave pending
         self.engine, self.tok, self.env, self.user = engine, tokenizer, env, user
         self.weights = weights  # partial rollouts: newer weights are taken between engine calls
         self.turn_version: dict[int, int] = {}  # slot -> the oldest version its current turn sampled with
@@ -207,6 +230,7 @@ class _Driver:
         t0 = time.perf_counter()
         try:
             while True:
+                self._check_stop()
                 self._admit()
                 while not self.inbox.empty():
                     self._handle(self.inbox.get_nowait())
@@ -218,8 +242,10 @@ class _Driver:
                         self._on_generation(gen)
                 elif self.in_flight:
                     waited = time.perf_counter()
-                    self._handle(await self.inbox.get())
+                    item = await self._next_reply()
                     self.stats["wait_s"] += time.perf_counter() - waited
+                    if item is not None:
+                        self._handle(item)
                 elif self.live:
                     raise RuntimeError("rollout bug: conversations are live but none is decoding or waiting")
                 elif self.queue:
@@ -241,7 +267,27 @@ class _Driver:
             **{k: engine.stats[k] - stats0[k] for k in ("decode_tokens", "extend_tokens", "decode_calls", "preemptions",
                                                         "prefix_hits", "prefix_prefill_tokens")}})
 
+    def _check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise RolloutsStopped(f"rollouts stopped on request: {len(self.live)} conversations in flight and "
+                                  f"{len(self.queue)} not started were dropped")
+
+    async def _next_reply(self):
+        """The next user reply or tool result; with a stop request to watch, None when none
+        came within STOP_POLL_S (the read stays pending for the next call)."""
+        if self.stop is None:
+            return await self.inbox.get()
+        if self._reply is None:
+            self._reply = asyncio.ensure_future(self.inbox.get())
+        done, _ = await asyncio.wait({self._reply}, timeout=STOP_POLL_S)
+        if not done:
+            return None
+        item, self._reply = self._reply.result(), None
+        return item
+
     async def _cleanup(self, engine_pool) -> None:
+        if self._reply is not None:
+            self._reply.cancel()
         for task in self.in_flight:
             task.cancel()
         await asyncio.gather(*self.in_flight, return_exceptions=True)
@@ -258,7 +304,7 @@ class _Driver:
 
 async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSimulator, tasks: Sequence[Task], *,
                        options: RolloutConfig | None = None, seed: int = 0, first_task_index: int = 0,
-                       weights=None, **overrides) -> RolloutBatch:
+                       weights=None, stop=None, **overrides) -> RolloutBatch:
     """Roll out every task `n_per_task` times; returns the trajectories ordered by (task, rollout).
 
     `overrides` are `RolloutConfig` fields (e.g. `n_per_task=4, max_turns=10`) applied on
@@ -269,12 +315,15 @@ async def run_rollouts(engine: Engine, tokenizer, env: Environment, user: UserSi
     `weights` (partial rollouts, `muajax.train.async_grpo`): its `newest()` is (version,
     prepared params) or None; newer ones are adopted by the engine between its calls. Each
     trajectory's `versions` are its turns' (the engine's `version`, 0 for a plain Engine).
+    `stop` (default: `set_default_stop`'s): once it `is_set()`, the conversations in flight
+    are dropped and `RolloutsStopped` is raised.
     """
     options = (dataclasses.replace(options, **overrides) if options is not None
                else RolloutConfig.for_engine(engine.max_len, **overrides))
     if not tasks:
         return RolloutBatch([], {"wall_s": 0.0, "device_s": 0.0, "busy_share": 0.0, "conversations": 0})
-    return await _Driver(engine, tokenizer, env, user, tasks, options, seed, first_task_index, weights).run()
+    stop = _default_stop[0] if stop is None else stop
+    return await _Driver(engine, tokenizer, env, user, tasks, options, seed, first_task_index, weights, stop).run()
 
 
 _thread_loops = threading.local()

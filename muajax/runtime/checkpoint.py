@@ -150,12 +150,12 @@ class Checkpointer:
         self.directory: epath.Path = checkpoint_path(directory)
         self.keep, self.every_steps = keep, every_steps
         self._warn_interrupted_saves()
+        # No PreemptionCheckpointingPolicy: it saved the step *after* a preemption notice and
+        # training went on. A stop (SIGTERM, a notice) saves the last finished step and ends the
+        # run: muajax.runtime.stopping, muajax.train.loop.
         policies = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
-            save_decision_policy=policies.AnySavePolicy([
-                policies.FixedIntervalPolicy(every_steps),
-                policies.PreemptionCheckpointingPolicy(),
-            ]),
+            save_decision_policy=policies.FixedIntervalPolicy(every_steps),
             preservation_policy=policies.LatestN(keep),
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
@@ -182,7 +182,8 @@ class Checkpointer:
                 RuntimeWarning, stacklevel=3)
 
     def should_save(self, step: int) -> bool:
-        """True at multiples of `every_steps` (or on a preemption signal), past the latest step."""
+        """True at multiples of `every_steps`, past the latest step (a stop request saves the last
+        finished step through `save(force=True)`: `muajax.train.loop.CheckpointHook`)."""
         return self._manager.should_save(step)
 
     def save(self, step: int, state: Any, *, rng: Any = None, data_position: Any = None,

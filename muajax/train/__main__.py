@@ -11,7 +11,10 @@ written (a bad key, no checkpoint for --resume, a saved config that differs in t
 a checkpoint that does not fit, a missing API key); 1 the run stopped (a checkpoint that
 cannot be read, too many non-finite steps), with a message; 3 too many of a step's
 rollouts failed (`rollout.max_failed_share`: an endpoint or environment down; the run
-can be resumed).
+can be resumed); 75 (`STOPPED_EXIT_CODE`) stopped on request: SIGTERM (tpu/stop.sh,
+gpu/stop_nodes.sh, a spot VM's shutdown, a preemption notice) dropped the rollouts in flight
+and saved the last finished step, on every process; continue with --resume
+(`muajax.runtime.stopping`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import numpy as np
 from muajax.settings.loader import dump_yaml
 from muajax.config.schema import ConfigError, load_config
 from muajax.domains.registry import DomainConfigError
+from muajax.agent.rollout import RolloutsStopped
+from muajax.runtime import stopping
 from muajax.runtime.checkpoint import CheckpointError
 from muajax.runtime.distributed import maybe_initialize_distributed
 from muajax.train import gpu_memory
@@ -68,7 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"muajax.train: config error: {exc}", file=sys.stderr)
         return 2
     memory = gpu_memory.apply(cfg.run.gpu_memory_fraction)  # before jax's GPU client starts
+    stopping.install()  # from here a SIGTERM stops the run cleanly
     maybe_initialize_distributed()
+    stopping.install()  # again: jax's preemption notifier took SIGTERM over; the watcher starts
+    try:
+        return _run(args, cfg, path, memory, start)
+    finally:
+        stopping.uninstall()
+
+
+def _run(args, cfg, path: str, memory, start: float) -> int:
     if jax.process_index() == 0:
         gpu_memory.announce(memory, jax.default_backend())
         print(f"# muajax.train config ({path})\n{dump_yaml(cfg)}", flush=True)
@@ -91,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except FailedRolloutsError as exc:  # an endpoint or environment down, not a bug: no traceback
         print(f"muajax.train: error: {exc}", file=sys.stderr, flush=True)
         return 3
+    except (stopping.StopRequested, RolloutsStopped) as exc:  # SIGTERM, a preemption notice: nothing is lost
+        print(f"muajax.train: {exc}. Continue with --resume (exit {stopping.STOPPED_EXIT_CODE}).", file=sys.stderr,
+              flush=True)
+        return stopping.STOPPED_EXIT_CODE
     if jax.process_index() == 0:
         print(json.dumps(summary, default=_jsonable), flush=True)
     return 0

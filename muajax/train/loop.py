@@ -10,6 +10,12 @@ error propagates unchanged. A checkpoint is only ever written for a finished ste
 A hook ends the run early by raising `TrainingStopped` from `after_step`: every hook's
 `on_stop` then runs for that step (the checkpoint hook saves it, if it has not), the hooks
 close, and the error propagates with its message (`NonFiniteHook` does this).
+
+A stop request (SIGTERM, a preemption notice: `muajax.runtime.stopping`) ends the run the
+same way, at the next step boundary (agreed by every process) or at once when the step raises
+`StopRequested` (GRPO abandons its rollouts): every hook's `on_stop` runs for the last
+finished step (`index`, the state the abandoned step started from), so the checkpoint hook
+saves that step, never the next one, and `StopRequested` propagates.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from muajax.runtime import stopping
 from muajax.runtime.checkpoint import Checkpointer
 from muajax.train.compilation import CompileClock
 from muajax.train.metrics import MetricsWriter, ProgressBar
@@ -93,10 +100,12 @@ class CheckpointHook(Hook):
             self.saved_step = step
 
     def on_stop(self, step, state):
-        """A stopped run keeps the step it stopped at, to inspect or to resume from."""
-        if self.saved_step != step:
+        """A stopped run keeps the step it stopped at, to inspect or to resume from (a step
+        already on disk, e.g. the one a resumed run started from, is kept as it is)."""
+        if self.saved_step != step and step not in self.ckpt.steps():
             self.ckpt.save(step, state, config=self.config, force=True, **self.extra(step))
-            self.saved_step = step
+            log.warning("saved checkpoint %d on stopping", step)
+        self.saved_step = step
 
     def close(self):
         try:
@@ -161,11 +170,16 @@ def run_steps(state: Any, start: int, total: int, step_fn: StepFn, hooks: Sequen
     clock = CompileClock()
     try:
         for index in range(start, total):
+            if stopping.STOP.agree():  # with several processes, every one stops before this same step
+                _stop(hooks, index, state, f"before step {index + 1}/{total}")
             for hook in hooks:
                 hook.before_step(index + 1)
             clock.take()
             t0 = time.perf_counter()
-            state, record = step_fn(state, index)
+            try:
+                state, record = step_fn(state, index)
+            except stopping.StopRequested as e:  # the step was abandoned: `state` is still step `index`'s
+                _stop(hooks, index, state, f"during step {index + 1}/{total} ({e})")
             wall, compile_s = time.perf_counter() - t0, clock.take()
             record = {**record, "time/step_s": max(0.0, wall - compile_s), "time/compile_s": compile_s}
             try:
@@ -179,6 +193,17 @@ def run_steps(state: Any, start: int, total: int, step_fn: StepFn, hooks: Sequen
         return state
     finally:
         _close_all(list(hooks), raise_errors=finished)
+
+
+def _stop(hooks: Sequence[Hook], step: int, state: Any, where: str) -> None:
+    """Every hook's `on_stop` for the last finished step, then `StopRequested`."""
+    saved = "nothing is saved (this part of the run keeps no checkpoints)"
+    for hook in hooks:
+        hook.on_stop(step, state)
+        if isinstance(hook, CheckpointHook):
+            saved = f"checkpoint {step} in {hook.ckpt.directory} holds it"
+    raise stopping.StopRequested(f"stopped on request {where}: {stopping.STOP.describe()}. The last finished step "
+                                 f"is {step}: {saved}")
 
 
 def _close_all(hooks: list[Hook], *, raise_errors: bool) -> None:

@@ -33,6 +33,9 @@ class FakeCheckpointer:
     def wait(self):
         pass
 
+    def steps(self):
+        return sorted(step for step, *_ in self.saved)
+
     def close(self):
         self.closed = True
 
