@@ -11,6 +11,8 @@ Knobs (plain attributes, changeable while running) inject faults:
 
 - `fail_first` / `fail_rate`: answer the first N requests / a random share with
   `fail_status` (500 by default; 503 and 429 work too);
+- `retry_after`: a `Retry-After` header on those failures (a str as sent, e.g. an HTTP
+  date, or seconds), as a rate-limited endpoint answers 429;
 - `stall_first` / `stall_rate`: hold the response for `stall_s` seconds, to push clients
   past their timeout;
 - `latency_s`, `latency_jitter`, `latency_distribution`: a normal delay for every request,
@@ -73,6 +75,7 @@ class ScriptedOpenAIServer:
         fail_first: int = 0,
         fail_rate: float = 0.0,
         fail_status: int = 500,
+        retry_after: str | float | None = None,
         stall_first: int = 0,
         stall_rate: float = 0.0,
         stall_s: float = 5.0,
@@ -86,6 +89,7 @@ class ScriptedOpenAIServer:
         self.script: Script = script or (lambda request: "OK")
         self.model = model
         self.fail_first, self.fail_rate, self.fail_status = fail_first, fail_rate, fail_status
+        self.retry_after = retry_after
         self.stall_first, self.stall_rate, self.stall_s = stall_first, stall_rate, stall_s
         self.latency_s, self.latency_jitter, self.latency_distribution = latency_s, latency_jitter, latency_distribution
         ReplyDelay(latency_s, latency_jitter, latency_distribution)  # refuses a bad spec here, not per request
@@ -240,7 +244,10 @@ class ScriptedOpenAIServer:
                 self.delays.append(delay)
             await asyncio.sleep(delay)
         if action == "failed":
-            return _error(self.fail_status, f"injected failure on request {index}", "server_error")
+            response = _error(self.fail_status, f"injected failure on request {index}", "server_error")
+            if self.retry_after is not None:
+                response.headers["Retry-After"] = str(self.retry_after)
+            return response
         if action == "stalled":
             end = time.monotonic() + self.stall_s
             while time.monotonic() < end and not self._stopping.is_set():
