@@ -1,7 +1,8 @@
 """`python -m muajax.export --checkpoint DIR --out HF_DIR [--dtype bfloat16|float32]`.
 
 Writes a Hugging Face Qwen3 directory that `transformers` loads as `Qwen3ForCausalLM`:
-weights (`muajax.models.hf.save_hf`), config.json, the tokenizer files (with Qwen3's chat
+weights (`muajax.models.hf.save_hf`: streamed one tensor at a time, in the checkpoint's own
+dtype unless --dtype says otherwise), config.json, the tokenizer files (with Qwen3's chat
 template) and a generation_config.json (Qwen3's special ids; greedy, the setting MUA-RL
 evaluates at).
 
@@ -34,19 +35,20 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "me
 
 
 def expand_domain_vocab(params, model_cfg, vocab, vocab_size: int = QWEN3_VOCAB_SIZE):
-    """(params, cfg) with the compact vocabulary scattered back to Qwen3 ids (host numpy)."""
-    import jax
+    """(params, cfg) with the compact vocabulary scattered back to Qwen3 ids: the embedding
+    (and an untied head) on the host, widened; every other leaf stays where it is (the
+    export streams them a layer at a time)."""
+    from muajax.models.host_blocks import host_array
 
     ids = np.asarray(vocab.qwen_ids, np.int64)
     if ids.max() >= vocab_size:
         raise ValueError(f"the domain vocabulary holds id {ids.max()}, beyond vocab_size={vocab_size}")
-    host = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), params)
-    embed = host["embed"]
+    embed = host_array(params["embed"])
     wide = np.zeros((vocab_size, embed.shape[1]), embed.dtype)
     wide[ids] = embed[: len(ids)]
-    out = dict(host, embed=wide)
+    out = dict(params, embed=wide)
     if not model_cfg.tie_word_embeddings:
-        head = host["lm_head"]  # [hidden, vocab]
+        head = host_array(params["lm_head"])  # [hidden, vocab]
         wide_head = np.zeros((head.shape[0], vocab_size), head.dtype)
         wide_head[:, ids] = head[:, : len(ids)]
         out["lm_head"] = wide_head
@@ -89,6 +91,16 @@ def write_generation_config(out_dir: str) -> str:
     return "generation_config.json"
 
 
+def checkpoint_dtype(params) -> str:
+    """The dtype the checkpoint's params are stored in (the export's default)."""
+    import jax
+
+    dtypes = sorted({str(np.dtype(leaf.dtype)) for leaf in jax.tree.leaves(params)})
+    if len(dtypes) != 1:
+        raise ValueError(f"the checkpoint's params mix dtypes {dtypes}: pass --dtype")
+    return dtypes[0]
+
+
 def export(checkpoint: str, out_dir: str, *, dtype: str | None = None, stage: str | None = None,
            step: int | None = None, overwrite: bool = False) -> dict:
     from muajax.models.hf import save_hf
@@ -106,7 +118,7 @@ def export(checkpoint: str, out_dir: str, *, dtype: str | None = None, stage: st
         params, model_cfg = expand_domain_vocab(params, model_cfg, policy.vocab)
         note = (f"domain vocabulary of {len(policy.vocab.qwen_ids)} Qwen3 ids expanded to {QWEN3_VOCAB_SIZE}: rows of "
                 "other ids are zero, so their logits are exactly 0 (not -inf)")
-    dtype = dtype or model_cfg.param_dtype
+    dtype = dtype or checkpoint_dtype(params)
     files = save_hf(params, model_cfg, out_dir, dtype=dtype) + ["config.json"]
     files += write_tokenizer(policy, out_dir)
     files.append(write_generation_config(out_dir))
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m muajax.export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="muajax run/checkpoint directory or HF directory")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="weights dtype (default: the model's)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="weights dtype (default: the checkpoint's)")
     parser.add_argument("--stage", choices=("sft", "grpo"), help="which stage of a run (default: the latest)")
     parser.add_argument("--step", type=int, help="which step (default: the newest)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")

@@ -43,6 +43,9 @@ SLOW = {
     "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[0]": 75,
     "tests/train/test_multihost.py::test_two_processes_train_exactly_like_one_process_with_the_same_global_batch[1]": 66,
     "tests/train/test_multihost_eval.py::test_two_processes_evaluate_a_share_each_and_report_what_one_process_reports": 123,
+    # the fingerprint and export of params split across two processes (default tier: the same on 8 devices
+    # of one process, tests/models/test_host_blocks.py::test_sharded_on_8_devices_equals_one_device)
+    "tests/models/test_host_blocks.py::test_split_across_two_processes_equals_one_device": 52,
     # --- asynchronous GRPO's whole runs. Default tier: the handoff and rollout thread's unit
     # tests (tests/train/test_async_grpo.py, tests/runtime/test_rollout_engine.py).
     "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[2-True]": 14,

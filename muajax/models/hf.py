@@ -4,10 +4,12 @@ Loading is lazy and sharded: each parameter is built with `jax.make_array_from_c
 whose callback reads from memory-mapped safetensors only the slice (layers, rows,
 heads) that one device holds. A 32B checkpoint therefore never sits whole in one host's
 memory. Export walks the same table backwards and writes sharded safetensors plus
-config.json that `transformers` loads.
+config.json that `transformers` loads, one tensor at a time (nor does it sit whole in
+memory on the way out).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from muajax.models.qwen3 import Qwen3Config, abstract_params
-from muajax.models.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
+from muajax.models.host_blocks import host_array, host_index
+from muajax.models.safetensors_io import CheckpointError, SafetensorsFile, SafetensorsWriter
 
 Array = np.ndarray
 
@@ -295,48 +298,78 @@ def load_params(hf_dir: str, cfg: Qwen3Config | None = None, shardings=None):
 # ----------------------------------------------------------------------------- export
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+def _hf_tensors(params, cfg: Qwen3Config):
+    """[(hf name, rule, param leaf, layer index or None)] in the export's order."""
+    out = []
+    for rule in active_rules(cfg):
+        leaf = _path_get(params, rule.param_path)
+        names = hf_names(rule, cfg)
+        out += [(name, rule, leaf, i if rule.per_layer else None) for i, name in enumerate(names)]
+    return out
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+
+def _hf_shape(rule: NameRule, leaf, per_layer: bool, cfg: Qwen3Config) -> tuple[int, ...]:
+    shape = tuple(leaf.shape[1:] if per_layer else leaf.shape)
+    return tuple(jax.eval_shape(lambda w: rule.to_hf(w, cfg), jax.ShapeDtypeStruct(shape, jnp.float32)).shape)
+
+
+def plan_hf_shards(tensors, np_dtype, cfg: Qwen3Config, max_shard_bytes: int) -> list[list[tuple]]:
+    """The files' tensors, [(name, shape)] per file, from shapes alone: a file is closed when
+    the next tensor would take it past `max_shard_bytes` (a tensor larger than that gets a
+    file of its own)."""
+    shards: list[list[tuple]] = [[]]
+    shard_bytes = 0
+    for name, rule, leaf, layer in tensors:
+        shape = _hf_shape(rule, leaf, layer is not None, cfg)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+        if shard_bytes and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, shape))
+        shard_bytes += nbytes
+    return shards
 
 
 def save_hf(params, cfg: Qwen3Config, out_dir: str, *, dtype: str | None = None,
             max_shard_bytes: int = 2 * 1024**3) -> list[str]:
     """Write params as a HF directory: config.json + sharded safetensors + index. Returns file names.
 
-    Every process must call this (gathering is collective); only process 0 writes.
+    Streamed: one tensor (one layer of one parameter) is read to the host
+    (`muajax.models.host_blocks`), converted, cast and handed to the file's writer before
+    the next is read, so a host holds one tensor, never the model. `dtype`: the files'
+    (default: the params' own, e.g. bfloat16 params stay bfloat16). Every process must call
+    this (a leaf split across processes is read collectively); only process 0 writes.
     """
-    np_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
+    default = jax.tree.leaves(params)[0].dtype if jax.tree.leaves(params) else cfg.param_dtype
+    np_dtype = np.dtype(jnp.dtype(dtype or default))
     torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[str(np_dtype)]
     write = jax.process_index() == 0
     if write:
         os.makedirs(out_dir, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    shard_bytes = 0
-    for rule in active_rules(cfg):
-        stacked = _to_host(_path_get(params, rule.param_path))
-        layers = stacked if rule.per_layer else [stacked]
-        for name, value in zip(hf_names(rule, cfg), layers):
-            tensor = np.ascontiguousarray(rule.to_hf(np.asarray(value), cfg).astype(np_dtype))
-            if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
-                shards.append({})
-                shard_bytes = 0
-            shards[-1][name] = tensor
-            shard_bytes += tensor.nbytes
-    if not write:
-        return []
+    tensors = _hf_tensors(params, cfg)
+    shards = plan_hf_shards(tensors, np_dtype, cfg, max_shard_bytes)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) == 1:
         files = ["model.safetensors"]
-    weight_map = {}
-    for filename, tensors in zip(files, shards):
-        write_safetensors(os.path.join(out_dir, filename), tensors, metadata={"format": "pt"})
-        weight_map.update({name: filename for name in tensors})
+    source = iter(tensors)
+    for filename, shard in zip(files, shards):
+        path = os.path.join(out_dir, filename)
+        with contextlib.ExitStack() as stack:
+            writer = stack.enter_context(SafetensorsWriter(path, [(n, np_dtype, s) for n, s in shard],
+                                                           metadata={"format": "pt"})) if write else None
+            for _ in shard:
+                name, rule, leaf, layer = next(source)
+                value = host_index(leaf, layer) if layer is not None else host_array(leaf)
+                tensor = np.ascontiguousarray(rule.to_hf(value, cfg).astype(np_dtype))
+                del value
+                if writer is not None:
+                    writer.write(name, tensor)
+                del tensor
+    if not write:
+        return []
     if len(shards) > 1:
-        total = sum(t.nbytes for s in shards for t in s.values())
+        weight_map = {name: filename for filename, shard in zip(files, shards) for name, _ in shard}
+        total = sum(int(np.prod(s, dtype=np.int64)) * np_dtype.itemsize for shard in shards for _, s in shard)
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -105,29 +105,78 @@ class SafetensorsFile:
         return np.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._data_start + begin).reshape(shape)
 
 
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time: the header (names, dtypes, shapes and
+    offsets, in the given order) is known from the specs, so each tensor goes to the file as
+    it is handed over and nothing is held. Atomic: written to a temporary file, renamed by
+    `close()`; `abort()` (or an exception inside `with`) removes it.
+
+        with SafetensorsWriter(path, [(name, dtype, shape), ...]) as w:
+            for name, ... : w.write(name, array)   # in the specs' order
+    """
+
+    def __init__(self, path: str, specs, metadata: dict[str, str] | None = None):
+        self.path, self.tmp = path, f"{path}.tmp-{os.getpid()}"
+        header: dict = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        self.expected: list[tuple[str, np.dtype, tuple[int, ...]]] = []
+        offset = 0
+        for name, dtype, shape in specs:
+            dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
+            if dtype not in NAMES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            self.expected.append((name, dtype, shape))
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as the reference writer does
+        self.file = open(self.tmp, "wb")
+        self.file.write(struct.pack("<Q", len(blob)))
+        self.file.write(blob)
+        self.written = 0
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        if self.written >= len(self.expected):
+            raise ValueError(f"{self.path}: tensor {name!r} is beyond the {len(self.expected)} declared")
+        want_name, dtype, shape = self.expected[self.written]
+        array = np.ascontiguousarray(array)
+        if (name, array.dtype, array.shape) != (want_name, dtype, shape):
+            raise ValueError(f"{self.path}: expected tensor {want_name!r} {dtype}{list(shape)} next, got {name!r} "
+                             f"{array.dtype}{list(array.shape)}")
+        self.file.write(array.reshape(-1).view(np.uint8).data)  # no copy, any dtype (bfloat16 too)
+        self.written += 1
+
+    def close(self) -> None:
+        if self.written != len(self.expected):
+            missing = self.expected[self.written][0]
+            self.abort()
+            raise ValueError(f"{self.path}: closed with {len(self.expected) - self.written} tensors unwritten "
+                             f"(next: {missing!r})")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.file.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Write tensors (in the given order) atomically: to a temporary file, then rename."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    arrays = []
-    for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
-        if array.dtype not in NAMES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {array.dtype}")
-        header[name] = {"dtype": NAMES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-        arrays.append(array)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as the reference writer does
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for array in arrays:
-            f.write(array.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    arrays = {name: np.ascontiguousarray(a) for name, a in tensors.items()}
+    with SafetensorsWriter(path, [(n, a.dtype, a.shape) for n, a in arrays.items()], metadata) as writer:
+        for name, array in arrays.items():
+            writer.write(name, array)
