@@ -4,16 +4,14 @@ share is a `RunContext`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
+from muajax.models.host_blocks import fingerprint
 from muajax.agent.pass_k import evaluate_policy, evaluation_summary, task_records
 from muajax.settings.loader import dump_yaml
 from muajax.config.schema import TrainConfig
@@ -28,13 +26,10 @@ EVAL_SEED_OFFSET = 1_000_003  # evaluation samples never reuse a training rollou
 
 
 def params_fingerprint(params) -> str:
-    """sha256 over every parameter's bytes, in tree order: equal iff the params are bitwise equal."""
-    digest = hashlib.sha256()
-    for leaf in jax.tree.leaves(params):
-        if not leaf.is_fully_addressable:  # split across hosts: every process gathers the whole leaf
-            leaf = multihost_utils.process_allgather(leaf, tiled=True)
-        digest.update(np.asarray(jax.device_get(leaf)).tobytes())
-    return digest.hexdigest()
+    """sha256 over every parameter's bytes, in tree order: equal iff the params are bitwise equal.
+    Read block by block from each leaf's shards (`muajax.models.host_blocks.fingerprint`):
+    no leaf is gathered whole or replicated; the value does not depend on the sharding."""
+    return fingerprint(params)
 
 
 def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
