@@ -182,11 +182,14 @@ WARMUP = 2
 
 def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: float, *, torch_threads=(1,),
             repeat: int = 20, muajax_decode=None, steps: int = 1, calls: int = 1,
-            attention: Attention | None = None) -> dict:
+            attention: Attention | None = None, whole_step: bool = False) -> dict:
     """The floors beside the measured steps (torch's: the fastest of `torch_threads`); logs a summary.
     The XLA floor runs `calls` programs of `steps` steps a round (the engine's decode chunks),
     with `attention` (`xla_floor_ms`) and without (`xla_matmul_ms`, the torch floors' work).
     `hf_step_ms` None (no transformers run): the XLA floors alone, no torch ones.
+    `whole_step` (with `attention`): the floor the step is judged against (`xla_floor_ms`) is
+    the model's whole step over the mean context (`muajax.bench.model_floor`), and the
+    products alone are reported beside it (`xla_products_ms`).
 
     `muajax_decode`, optional: runs one muajax generation and returns its decode ms/step. It
     then takes its turn in every round beside the floors, and muajax's ratio to the XLA floor
@@ -200,6 +203,12 @@ def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: floa
     candidates["xla"] = xla_step(weights, batch, steps, calls)
     if attention is not None:
         candidates["xla_attention"] = xla_step(weights, batch, steps, calls, attention)
+    if whole_step:
+        from muajax.bench import model_floor
+
+        candidates["xla_model"] = model_floor.xla_model_step(
+            model_floor.model_weights(hf_model), model_floor.model_shape(hf_model.config), batch, attention.context,
+            steps, calls)
     decode_ms: list[float] = []
     if muajax_decode is not None:
         candidates["muajax"] = lambda: decode_ms.append(muajax_decode())
@@ -209,21 +218,31 @@ def measure(hf_model, batch: int, hf_step_ms: float | None, muajax_step_ms: floa
         seconds.pop("muajax")
         muajax_step_ms = common.median(decode_ms[WARMUP:])  # the timed rounds, after the warm-up calls
     xla_ms = seconds.pop("xla") / (steps * calls)
-    floor_ms = seconds.pop("xla_attention") / (steps * calls) if attention is not None else xla_ms
-    out = {"xla_matmul_ms": xla_ms, "xla_floor_ms": floor_ms, "xla_floor_steps": steps * calls,
-           "xla_floor_attention": attention._asdict() if attention is not None else None,
+    products_ms = seconds.pop("xla_attention") / (steps * calls) if attention is not None else xla_ms
+    floor_ms = seconds.pop("xla_model") / (steps * calls) if whole_step else products_ms
+    out = {"xla_matmul_ms": xla_ms, "xla_products_ms": products_ms, "xla_floor_ms": floor_ms,
+           "xla_floor_kind": "model_step" if whole_step else ("products" if attention is not None else "matmuls"),
+           "xla_floor_steps": steps * calls, "xla_floor_attention": attention._asdict() if attention is not None else None,
            "muajax_step_over_xla_floor": common.ratio(muajax_step_ms, floor_ms),
+           "muajax_step_over_products_floor": common.ratio(muajax_step_ms, products_ms),
            "muajax_step_over_matmul_floor": common.ratio(muajax_step_ms, xla_ms),
            "muajax_decode_ms": muajax_step_ms, "muajax_interleaved": muajax_decode is not None}
-    what = (f"matmuls and attention over {attention.context} cached positions" if attention is not None
-            else "matmuls alone")
-    common.log(f"decode floor (the step's {what}, batch {batch}, {steps * calls} steps): XLA {floor_ms:.2f} ms "
-               f"(matmuls alone {xla_ms:.2f}); muajax's step {muajax_step_ms:.2f} ms is "
-               f"x{out['muajax_step_over_xla_floor']:.2f} its XLA floor (x{out['muajax_step_over_matmul_floor']:.2f} "
-               "the matmuls')" + (" (timed in the same rounds)" if muajax_decode is not None else ""))
+    _log_floors(out, batch, attention)
     if hf_step_ms is not None:
         out.update(_torch_figures(seconds, xla_ms, hf_step_ms))
     return out
+
+
+def _log_floors(out: dict, batch: int, attention: Attention | None) -> None:
+    what = {"model_step": "the model's whole step", "products": "the step's matmuls and attention",
+            "matmuls": "the step's matmuls alone"}[out["xla_floor_kind"]]
+    over = f" over {attention.context} cached positions" if attention is not None else ""
+    common.log(f"decode floor ({what}{over}, batch {batch}, {out['xla_floor_steps']} steps): XLA "
+               f"{out['xla_floor_ms']:.2f} ms (products alone {out['xla_products_ms']:.2f}, matmuls alone "
+               f"{out['xla_matmul_ms']:.2f}); muajax's step {out['muajax_decode_ms']:.2f} ms is "
+               f"x{out['muajax_step_over_xla_floor']:.2f} its XLA floor (x{out['muajax_step_over_products_floor']:.2f} "
+               f"the products', x{out['muajax_step_over_matmul_floor']:.2f} the matmuls')"
+               + (" (timed in the same rounds)" if out["muajax_interleaved"] else ""))
 
 
 def _torch_figures(seconds: dict, xla_ms: float, hf_step_ms: float) -> dict:

@@ -60,11 +60,14 @@ def test_generate_quick():
 
 
 def assert_floor_ratios(floor: dict, config: dict) -> None:
-    """The decode over the floor with the step's attention (over the mean context), and over
-    the matmuls alone beside it: each of the medians timed in the same rounds."""
+    """The decode over the floor of the model's whole step (over the mean context), and over
+    the products and the matmuls alone beside it: each of the medians timed in the same rounds."""
     assert floor["xla_floor_attention"]["context"] == config["prompt"] + (config["new"] - 1) // 2
-    assert positive(floor["xla_floor_ms"]) and positive(floor["xla_matmul_ms"])
+    assert floor["xla_floor_kind"] == "model_step"
+    assert positive(floor["xla_floor_ms"]) and positive(floor["xla_products_ms"]) and positive(floor["xla_matmul_ms"])
     assert math.isclose(floor["muajax_step_over_xla_floor"], floor["muajax_decode_ms"] / floor["xla_floor_ms"],
+                        rel_tol=1e-6)
+    assert math.isclose(floor["muajax_step_over_products_floor"], floor["muajax_decode_ms"] / floor["xla_products_ms"],
                         rel_tol=1e-6)
     assert math.isclose(floor["muajax_step_over_matmul_floor"], floor["muajax_decode_ms"] / floor["xla_matmul_ms"],
                         rel_tol=1e-6)

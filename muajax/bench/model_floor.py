@@ -1,0 +1,164 @@
+"""The decode floor as the whole model's step: `python -m muajax.bench generate`'s `xla_model_ms`.
+
+`decode_floor.xla_step` times a decode step's products (the projections, the LM head and
+the attention's two dots over the cache). A step of this model must also do the rest of
+its arithmetic: the embedding lookup, two RMS norms a layer and the q and k norms, the
+rotary embedding of q and k, the attention's softmax, SiLU, the final norm, and choosing
+the token with its logprob (the GRPO loss needs it) over the whole vocabulary. On XLA:CPU
+each of those is a loop XLA generates for the box's vector ISA, or a small reduction, not a
+library matmul: a floor of products alone weighs the box's matmul kernels only, while the
+step weighs both kinds, so the step's ratio to it moved with the box (an AVX2 box runs the
+matmul library's kernels at a different speed against XLA's loops than an AVX-512 one, and
+a loaded box stretches each of the step's ~200 small operations, not the floor's 60 dots).
+
+This floor is that step written as plainly as XLA runs it: one token per row, a dense
+cache per layer holding `context - 1` earlier positions ([rows, kv_heads, positions,
+head_dim], read only, as HF lays it out), the new token's key and value attended beside it
+and returned (so they are computed, as the engine's are written), greedy choice and its
+logprob. No paging, no bucketing, no masks (every position is live), no stop conditions:
+what the engine does beyond this is its own overhead. `steps` steps run in a loop inside
+the program, each feeding its token to the next, and `calls` programs run one after
+another, blocking between, as the engine's decode chunks do. The step's numbers are the
+model's: `tests/bench/test_model_floor.py` checks its logits against transformers given
+the same cache.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from muajax.bench import common
+
+
+class ModelShape(NamedTuple):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+
+
+def model_shape(hf_config) -> ModelShape:
+    rope = getattr(hf_config, "rope_parameters", None) or {}  # transformers 5; earlier ones: top-level
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    return ModelShape(hf_config.num_attention_heads, hf_config.num_key_value_heads, hf_config.head_dim,
+                      hf_config.rms_norm_eps, float(theta))
+
+
+def model_weights(hf_model) -> dict:
+    """The checkpoint's tensors as float32 numpy: per layer a dict (projections as [in, out]),
+    then the embedding, the final norm and the head ([hidden, vocab])."""
+    def t(p):
+        return p.detach().float().numpy()
+
+    layers = []
+    for layer in hf_model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append({
+            "in_norm": t(layer.input_layernorm.weight), "post_norm": t(layer.post_attention_layernorm.weight),
+            "q_norm": t(a.q_norm.weight), "k_norm": t(a.k_norm.weight),
+            **{n: np.ascontiguousarray(t(getattr(a, n + "_proj").weight).T) for n in "qkvo"},
+            **{n: np.ascontiguousarray(t(getattr(m, n + "_proj").weight).T) for n in ("gate", "up", "down")}})
+    return {"layers": layers, "embed": t(hf_model.model.embed_tokens.weight), "norm": t(hf_model.model.norm.weight),
+            "head": np.ascontiguousarray(t(hf_model.lm_head.weight).T)}
+
+
+def _rms(x, w, eps):
+    import jax.numpy as jnp
+
+    return x * jnp.reciprocal(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+
+
+def _rope(x, cos, sin):
+    """HF's rotate-half rotary embedding; x [..., head_dim], cos/sin [head_dim]."""
+    import jax.numpy as jnp
+
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(q, k_new, v_new, keys, values, s: ModelShape):
+    """One query per row over the cache's positions and its own key: q [B, N, H], k_new and
+    v_new [B, K, H], keys and values [B, K, S, H]; returns [B, N * H]."""
+    import jax
+    import jax.numpy as jnp
+
+    b, group = q.shape[0], s.heads // s.kv_heads
+    q = q.reshape(b, s.kv_heads, group, s.head_dim) * (s.head_dim ** -0.5)
+    past = jnp.einsum("bkgh,bksh->bkgs", q, keys)
+    own = jnp.einsum("bkgh,bkh->bkg", q, k_new)[..., None]
+    probs = jax.nn.softmax(jnp.concatenate([past, own], axis=-1), axis=-1)
+    out = jnp.einsum("bkgs,bksh->bkgh", probs[..., :-1], values) + probs[..., -1:] * v_new[:, :, None]
+    return out.reshape(b, s.heads * s.head_dim)
+
+
+def step_logits(weights: dict, caches: list, tokens, position, s: ModelShape):
+    """The model's step for `tokens` [B] at `position` (a scalar) over `caches` (per layer
+    (keys, values) [B, K, position, H]): logits [B, V] and each layer's new (key, value)."""
+    import jax
+    import jax.numpy as jnp
+
+    b = tokens.shape[0]
+    inv = 1.0 / (s.rope_theta ** (jnp.arange(0, s.head_dim, 2, dtype=jnp.float32) / s.head_dim))
+    angles = jnp.asarray(position, jnp.float32) * inv
+    cos, sin = (jnp.concatenate([f(angles)] * 2) for f in (jnp.cos, jnp.sin))
+    h, new = weights["embed"][tokens], []
+    for w, (keys, values) in zip(weights["layers"], caches):
+        x = _rms(h, w["in_norm"], s.eps)
+        q = _rope(_rms((x @ w["q"]).reshape(b, s.heads, s.head_dim), w["q_norm"], s.eps), cos, sin)
+        k = _rope(_rms((x @ w["k"]).reshape(b, s.kv_heads, s.head_dim), w["k_norm"], s.eps), cos, sin)
+        v = (x @ w["v"]).reshape(b, s.kv_heads, s.head_dim)
+        new.append((k, v))
+        h = h + _attend(q, k, v, keys, values, s) @ w["o"]
+        x = _rms(h, w["post_norm"], s.eps)
+        h = h + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
+    return _rms(h, weights["norm"], s.eps) @ weights["head"], new
+
+
+def _greedy(logits):
+    """The first maximum and its logprob, as the engine's greedy rows report them."""
+    import jax
+    import jax.numpy as jnp
+
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+    return token, logprob
+
+
+def xla_model_step(weights: dict, shape: ModelShape, batch: int, context: int, steps: int = 1, calls: int = 1):
+    """A callable running `calls` programs of `steps` greedy decode steps of the whole model,
+    each over `context` positions (the cache's `context - 1` and its own); divide by
+    calls * steps. The weights are one device buffer each, as `Engine._layer_views` gives them."""
+    import jax
+    import jax.numpy as jnp
+
+    put = jax.device_put
+    w = {"layers": [{k: put(v) for k, v in layer.items()} for layer in weights["layers"]],
+         **{k: put(weights[k]) for k in ("embed", "norm", "head")}}
+    rng = np.random.RandomState(0)
+    cache_shape = (batch, shape.kv_heads, context - 1, shape.head_dim)
+    caches = [tuple(put(rng.randn(*cache_shape).astype(np.float32)) for _ in range(2)) for _ in w["layers"]]
+
+    @jax.jit
+    def program(w, caches, tokens):
+        def body(_, carry):
+            logits, new = step_logits(w, caches, carry[0], context - 1, shape)
+            token, logprob = _greedy(logits)
+            return token, logprob, new
+
+        init = jax.eval_shape(lambda t: step_logits(w, caches, t, context - 1, shape)[1], tokens)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), init)
+        return jax.lax.fori_loop(0, steps, body, (tokens, jnp.zeros(tokens.shape, jnp.float32), zeros))
+
+    tokens = jnp.zeros((batch,), jnp.int32)
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = common.block(program(w, caches, tokens))
+        return out
+
+    run.program, run.args = program, (w, caches, tokens)
+    return run
