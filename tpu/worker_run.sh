@@ -12,8 +12,26 @@ shift 3
 export MUAJAX_DISTRIBUTED=auto
 worker=$(ask 0 curl -s -H Metadata-Flavor:Google \
   http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number)
-run "$HOME/$venv/bin/python" -m muajax.train "$@"
-status=$?
+python=("$HOME/$venv/bin/python" -m muajax.train "$@")
+if [[ -n "$DRY_RUN" ]]; then
+  run "${python[@]}"
+  status=$?
+else
+  # Python runs as this script's child, so that tpu/stop.sh can signal it (pgrep -P) and this
+  # script can pass a SIGTERM of its own (a VM's shutdown) on to it. Either way Python drops
+  # its rollouts, saves the last finished step and exits 75 (muajax.runtime.stopping); this
+  # script waits for that exit, then copies the run directory as after any other.
+  "${python[@]}" &
+  child=$!
+  trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+  wait "$child"
+  status=$?
+  while kill -0 "$child" 2>/dev/null; do  # a trapped signal ended `wait` early: wait for the exit
+    wait "$child"
+    status=$?
+  done
+  trap - TERM INT
+fi
 if [[ "$worker" == 0 && ( -d "runs/$run" || -n "$DRY_RUN" ) ]]; then
   run gcloud storage rsync -r "runs/$run" "gs://$bucket/$run/run"
 fi
