@@ -254,7 +254,7 @@ class CheckpointConfig:
     """Checkpoints of each stage: where, how often, how many are kept."""
 
     dir: str | None = None  # None: <run.out_dir>/<run.name>/checkpoints
-    every_steps: int = bounded(10, ge=1)  # save every this many steps (and on a preemption signal)
+    every_steps: int = bounded(10, ge=1)  # save every this many steps (and, on SIGTERM, the last finished step)
     keep: int = bounded(3, ge=1)  # the newest this many checkpoints are kept
 
 
