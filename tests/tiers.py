@@ -46,6 +46,9 @@ SLOW = {
     # the fingerprint and export of params split across two processes (default tier: the same on 8 devices
     # of one process, tests/models/test_host_blocks.py::test_sharded_on_8_devices_equals_one_device)
     "tests/models/test_host_blocks.py::test_split_across_two_processes_equals_one_device": 52,
+    # the whole reduced device check (all checks and figures, a subprocess; default tier: its logit and
+    # attention checks and a wrong model failing them, tests/bench/test_device_bench.py)
+    "tests/bench/test_device_bench.py::test_the_reduced_device_check_passes_on_cpu": 61,
     # --- asynchronous GRPO's whole runs. Default tier: the handoff and rollout thread's unit
     # tests (tests/train/test_async_grpo.py, tests/runtime/test_rollout_engine.py).
     "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[2-True]": 14,

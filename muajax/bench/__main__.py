@@ -8,7 +8,8 @@ import sys
 import muajax.bench as bench_pkg
 from muajax.bench.common import BenchError, emit_json
 
-_NOT_BENCHMARKS = {"common", "__main__", "tunix_side", "decode_floor"}  # helpers: a script and the floor generate runs
+# helpers: a script, the floor generate runs, the device check's checks
+_NOT_BENCHMARKS = {"common", "__main__", "tunix_side", "decode_floor", "device_checks"}
 ALIASES = {"async": "async_grpo"}  # benchmark name -> module, where the name is a Python keyword
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(result, dict):
         return _fail(name, f"muajax.bench.{name}.run returned {type(result).__name__}, expected dict", EXIT_FAILED)
     emit_json({"benchmark": name, **result})
-    return EXIT_OK
+    # a benchmark that checks something (`device`) says `passed`; False fails the command
+    return EXIT_FAILED if result.get("passed") is False else EXIT_OK
 
 
 if __name__ == "__main__":
