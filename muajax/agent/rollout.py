@@ -269,7 +269,7 @@ class _Driver:
 
     def _check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
-            raise RolloutsStopped(f"rollouts stopped on request: {len(self.live)} conversations in flight and "
+            raise RolloutsStopped(f"rollouts stopped on request: {len(self.live)} conversation(s) in flight and "
                                   f"{len(self.queue)} not started were dropped")
 
     async def _next_reply(self):

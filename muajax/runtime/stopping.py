@@ -8,9 +8,10 @@ What a stop does
 request (`STOP.event`). Everything else happens at the run's own check points:
 
 - **mid-rollout** the rollout loop (`muajax.agent.rollout`, GRPO's and evaluation's) sees the
-  request within `rollout.STOP_POLL_S` (or after the engine call in progress) and drops the
+  request within `muajax.agent.rollout.STOP_POLL_S` (or after the engine call in progress) and drops the
   conversations in flight; the step is abandoned, not trained, and its tasks are rolled out
-  again on resume (the task stream's position is the one before the step);
+  again on resume (the task stream's position is the one before the step); a stop during
+  evaluation ends it the same way (the stage's final checkpoint is already saved);
 - **between steps** (`muajax.train.loop.run_steps`, SFT, warm-ups and GRPO alike) the run
   stops before starting the next step; a step whose update is already running finishes it.
 
@@ -43,8 +44,9 @@ import threading
 import time
 
 import jax
+from jax._src import distributed as jax_distributed  # the coordination service's client, the process id
 
-from muajax.agent import rollout
+from muajax.agent import rollout as rollout_module
 from muajax.runtime import distributed
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,8 @@ class StopSignal:
 
     def _on_signal(self, signum, frame) -> None:
         first = not self.event.is_set()
-        self.request(f"{signal.Signals(signum).name} to process {jax.process_index()}")
+        # the process index without jax.process_index(): that would start the backend
+        self.request(f"{signal.Signals(signum).name} to process {jax_distributed.global_state.process_id}")
         # os.write, not print: the main thread may be inside a write to stderr
         note = ("stopping: the rollouts in flight are dropped, the last finished step is saved, then exit "
                 f"{STOPPED_EXIT_CODE}" if first else "already stopping")
@@ -99,8 +102,9 @@ class StopSignal:
             if sig not in self._previous:
                 self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._on_signal)
-        rollout.set_default_stop(self.event)
-        if distributed.multiprocess() and self._watcher is None:
+        rollout_module.set_default_stop(self.event)
+        # (before jax.distributed.initialize nothing here may touch the backend)
+        if jax.distributed.is_initialized() and distributed.multiprocess() and self._watcher is None:
             self._closed.clear()
             self._watcher = threading.Thread(target=self._watch, name="muajax-stop-watcher", daemon=True)
             self._watcher.start()
@@ -111,7 +115,7 @@ class StopSignal:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-        rollout.set_default_stop(None)
+        rollout_module.set_default_stop(None)
         self._closed.set()
         self._wake.set()
         if self._watcher is not None:
@@ -122,8 +126,6 @@ class StopSignal:
         self.reason = self.requested_at = None
 
     def _watch(self) -> None:
-        from jax._src import distributed as jax_distributed  # the coordination service's client
-
         client, me, published = jax_distributed.global_state.client, jax.process_index(), False
         while not self._closed.is_set() and client is not None:
             try:
@@ -156,6 +158,20 @@ class StopSignal:
 
 
 STOP = StopSignal()  # the process's one stop request
+
+
+def agreed_rollouts(rollout, on_stop=lambda: None):
+    """`rollout()`'s result, unless the run stops here: this process's rollouts were stopped
+    (`RolloutsStopped`) or any process's were (a collective: every process calls this at the
+    same point of the run). Then `on_stop()` and `StopRequested`: the step is abandoned."""
+    try:
+        result, abandoned = rollout(), None
+    except rollout_module.RolloutsStopped as e:
+        result, abandoned = None, e
+    if STOP.agree(abandoned is not None):
+        on_stop()
+        raise StopRequested(str(abandoned) if abandoned else "a stop came after its rollouts")
+    return result
 
 
 def install() -> None:

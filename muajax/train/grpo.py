@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from muajax.agent.rollout import RolloutsStopped, rollout_loop, run_rollouts, run_rollouts_sync
+from muajax.agent.rollout import rollout_loop, run_rollouts, run_rollouts_sync
 from muajax.agent.trajectory import rollout_metrics
 from muajax.settings.fields import config_to_dict
 from muajax.models.flops import forward_flops, real_token_flops, train_step_flops
@@ -57,20 +57,6 @@ def stop_on_failures(ctx: RunContext, ckpt, index: int, state, trajectories, pos
         f"than rollout.max_failed_share={r.max_failed_share:g}; the first error: {first_error}. The step was "
         f"not applied; the state before it is checkpoint {index} in {ckpt.directory}: once the user endpoint or "
         f"environment works again, continue with --resume.")
-
-
-def agreed_rollouts(rollout, on_stop=lambda: None):
-    """`rollout()`'s result, unless the run stops here: this process's rollouts were stopped
-    (`RolloutsStopped`) or any process's were (a collective: every process calls this at the
-    same point of each step). Then `on_stop()` and `StopRequested`: the step is abandoned."""
-    try:
-        result, abandoned = rollout(), None
-    except RolloutsStopped as e:
-        result, abandoned = None, e
-    if stopping.STOP.agree(abandoned is not None):
-        on_stop()
-        raise stopping.StopRequested(str(abandoned) if abandoned else "a stop came after its rollouts")
-    return result
 
 
 class TaskStream:
@@ -262,7 +248,7 @@ def run_grpo(ctx: RunContext, params, *, hooks: Sequence[Hook] = ()):
         # process: all of them) under their global indices, so seeds and group ids are the step's
         position = stream.position
         first, chosen = distributed.task_share(stream.take(r.tasks_per_step))
-        trajectories = agreed_rollouts(
+        trajectories = stopping.agreed_rollouts(
             lambda: run_rollouts_sync(engine, ctx.tok, ctx.domain.env, ctx.domain.user, chosen, options=r,
                                       seed=step_seed(cfg.run.seed, index), first_task_index=first),
             on_stop=lambda: setattr(stream, "position", position))  # the step's tasks are redone on resume
@@ -300,7 +286,7 @@ def run_async_grpo(stage: GRPOStage, state, *, hooks: Sequence[Hook] = ()):
 
     def step(state, index):
         t0 = time.time()
-        batch = agreed_rollouts(lambda: ahead.get(index))  # the stream's position is still batch index's
+        batch = stopping.agreed_rollouts(lambda: ahead.get(index))  # the stream's position is still batch index's
         waited = time.time() - t0
         staleness(batch.trajectories, index, s)  # every row, before it is trained
         state, record, everyone = stage.train(state, index, batch.trajectories, batch.position,

@@ -16,7 +16,7 @@ from muajax.agent.pass_k import evaluate_policy, evaluation_summary, task_record
 from muajax.settings.loader import dump_yaml
 from muajax.config.schema import TrainConfig
 from muajax.domains.base import Domain
-from muajax.runtime import build, distributed
+from muajax.runtime import build, distributed, stopping
 from muajax.train.context import RunContext, build_context
 from muajax.train.grpo import run_grpo
 from muajax.runtime.resume import check_checkpoint_layouts, plan_resume
@@ -42,10 +42,10 @@ def evaluate(ctx: RunContext, params, label: str) -> dict[str, Any]:
     t0 = time.time()
     trials = ctx.eval_trials()
     first, share = distributed.evaluation_share(ctx.eval_tasks())
-    _, mine = evaluate_policy(ctx.engine(params), ctx.tok, ctx.eval_domain(), share, trials=trials,
-                              temperature=e.temperature, options=ctx.cfg.rollout,
-                              seed=ctx.cfg.run.seed + EVAL_SEED_OFFSET, communicate_info=e.communicate_info,
-                              first_task_index=first)
+    _, mine = stopping.agreed_rollouts(lambda: evaluate_policy(  # a stop: every process ends here
+        ctx.engine(params), ctx.tok, ctx.eval_domain(), share, trials=trials, temperature=e.temperature,
+        options=ctx.cfg.rollout, seed=ctx.cfg.run.seed + EVAL_SEED_OFFSET, communicate_info=e.communicate_info,
+        first_task_index=first))
     parts = distributed.gather_for_report(mine)
     trajectories = [t for part in parts for t in part]
     summary = evaluation_summary(trajectories, trials)
