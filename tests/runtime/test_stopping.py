@@ -16,14 +16,22 @@ from muajax.train import __main__ as train_main
 from muajax.train.loop import CheckpointHook, run_steps
 
 
+def _not_stopping(signum, frame):
+    """The handler before install: a SIGTERM that reaches it was not handled by the stop."""
+    raise AssertionError("SIGTERM reached the handler that was there before stopping.install()")
+
+
 @pytest.fixture
 def installed():
-    before = signal.getsignal(signal.SIGTERM)
-    stopping.install()
-    yield stopping.STOP
-    stopping.uninstall()
-    assert signal.getsignal(signal.SIGTERM) == before  # the handler as it was
-    assert not stopping.STOP.requested() and rollout._default_stop[0] is None
+    original = signal.signal(signal.SIGTERM, _not_stopping)  # a missed SIGTERM fails the test, not pytest
+    try:
+        stopping.install()
+        yield stopping.STOP
+        stopping.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is _not_stopping  # the handler as it was
+        assert not stopping.STOP.requested() and rollout._default_stop[0] is None
+    finally:
+        signal.signal(signal.SIGTERM, original)
 
 
 def test_sigterm_only_records_the_request_and_rollouts_see_it(installed):
@@ -87,11 +95,15 @@ class _StoppedTrainer:
 
 
 def test_the_command_exits_75_on_sigterm_and_gives_the_handler_back(tmp_path, monkeypatch, capfd):
-    before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setattr(train_main, "Trainer", _StoppedTrainer)
-    code = train_main.main([f"run.out_dir={tmp_path}"])
+    before = signal.signal(signal.SIGTERM, _not_stopping)
+    try:
+        code = train_main.main([f"run.out_dir={tmp_path}"])
+        assert signal.getsignal(signal.SIGTERM) is _not_stopping
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert code == stopping.STOPPED_EXIT_CODE == 75
     err = capfd.readouterr().err
     assert "SIGTERM received" in err and "stopped on request during step 2/5" in err and "--resume" in err
     assert Checkpointer(tmp_path / "embedded-cpu" / "ckpt").steps() == [1]
-    assert signal.getsignal(signal.SIGTERM) == before and not stopping.STOP.requested()
+    assert not stopping.STOP.requested()
