@@ -242,9 +242,14 @@ def grpo_check(params, cfg, batch: dict) -> tuple[Check, Any]:
     """One GRPO step on the default device against the same step on the host CPU: loss and
     gradient norm; the update must move the params and leave them finite. Where the device
     is the host CPU there is nothing to compare it with: the error is then that of the
-    update's own checks (0 when it ran, moved the params and stayed finite). Returns the
+    update's own checks (0 when it ran, moved the params and stayed finite); the same when
+    JAX_PLATFORMS leaves jax no CPU backend (`reference` null says so). Returns the
     check and (step, state, batch), which the update figure may time."""
-    device, host = jax.devices()[0], jax.devices("cpu")[0]
+    device = jax.devices()[0]
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS names the accelerator alone: no host CPU backend
+        host = device
     t0 = time.perf_counter()
     got, new, step, state = grpo_step_on(device, params, cfg, batch)
     device_s = time.perf_counter() - t0

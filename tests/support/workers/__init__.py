@@ -10,6 +10,8 @@ A worker prints what it measured (JSON); the test that starts it asserts on it.
   through tests/support/step_scenarios.py);
 - compile_cache, jitter, multihost: runs in several processes (tests/train/test_compilation.py,
   test_determinism.py, test_multihost.py);
+- sharded_export: the params fingerprint and HF export of sharded params, on 8 fake CPU devices or
+  two processes (tests/models/test_host_blocks.py);
 - mcp_demo_server: an MCP stdio server (tests/domains/mcp/).
 """
 import os
