@@ -42,6 +42,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions of the whole conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: checks the bench runs")
+    p.add_argument("--no-floor", action="store_true", help="skip the model floor's growth")
     common.add_isa_option(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -125,7 +126,7 @@ def run(argv: list[str]) -> dict:
     common.apply_isa_cap(args.cap_isa)
     setup_threads()
     with tempfile.TemporaryDirectory(prefix="muajax-bench-multiturn-") as workdir:
-        _, params, cfg = build_models(args.quick, args.seed, workdir)
+        hf_model, params, cfg = build_models(args.quick, args.seed, workdir)
     rng = np.random.RandomState(args.seed + 1)
     user_turns = rng.randint(0, cfg.vocab_size, size=(args.turns, args.batch, args.user)).astype(np.int32)
     total = args.turns * (args.user + args.new)
@@ -174,8 +175,47 @@ def run(argv: list[str]) -> dict:
     common.log(f"turn cost growth, last/first turn: kept x{result['per_turn_growth']:.2f}, re-prefill "
                f"x{result['reprefill_growth']:.2f}; median of last 3 / first 3 turns: kept "
                f"x{result['per_turn_growth_last3_vs_first3']:.2f}, re-prefill x{result['reprefill_growth_last3_vs_first3']:.2f}")
+    if not args.no_floor:
+        result.update(floor_growth(hf_model, args, result))
     result["machine"] = common.machine_info()
     return result
+
+
+def decode_context(args, turn: int) -> int:
+    """The mean number of positions a decode step of `turn` (0-based) attends over."""
+    return turn * (args.user + args.new) + args.user + (args.new - 1) // 2
+
+
+def floor_growth(hf_model, args, result: dict) -> dict:
+    """The growth the model's own decode step has between the same turns: its whole step in
+    plain XLA (`model_floor`), `batch` rows over each turn's mean decode context, in chunks
+    as the engine decodes. A step must read the cache, so a turn's cost grows with its
+    history on any engine; how much is the box's (its caches and memory against its
+    arithmetic): `per_turn_growth_over_floor` is what the engine adds. The turn's extend
+    (a small share of it) is not in the floor."""
+    from muajax.bench import model_floor
+
+    k = max(1, min(3, args.turns // 2))
+    turns = {"first": 0, "last": args.turns - 1, "first3": (k - 1) // 2, "last3": args.turns - 1 - (k - 1) // 2}
+    weights, shape = model_floor.model_weights(hf_model), model_floor.model_shape(hf_model.config)
+    calls = -(-args.new // args.decode_chunk)
+    programs = {name: model_floor.xla_model_step(weights, shape, args.batch, decode_context(args, turn),
+                                                 args.decode_chunk, calls)
+                for name, turn in turns.items()}
+    ms = {name: 1e3 * common.median(times) / (calls * args.decode_chunk)
+          for name, times in common.interleave(programs, warmup=2, repeat=max(5, 5 * args.repeat)).items()}
+    out = {"floor_step_ms": {name: ms[name] for name in ("first", "last")},
+           "floor_contexts": {name: decode_context(args, turn) for name, turn in turns.items()},
+           "floor_growth": common.ratio(ms["last"], ms["first"]),
+           "floor_growth_last3_vs_first3": common.ratio(ms["last3"], ms["first3"])}
+    out["per_turn_growth_over_floor"] = common.ratio(result["per_turn_growth"], out["floor_growth"])
+    out["per_turn_growth_last3_vs_first3_over_floor"] = common.ratio(result["per_turn_growth_last3_vs_first3"],
+                                                                     out["floor_growth_last3_vs_first3"])
+    common.log(f"the model's decode step in plain XLA grows x{out['floor_growth']:.2f} from the first turn to the last "
+               f"({ms['first']:.2f} -> {ms['last']:.2f} ms/step; last 3 / first 3 x{out['floor_growth_last3_vs_first3']:.2f}): "
+               f"the engine's growth is x{out['per_turn_growth_over_floor']:.2f} its floor's "
+               f"(x{out['per_turn_growth_last3_vs_first3_over_floor']:.2f} last 3 / first 3)")
+    return out
 
 
 if __name__ == "__main__":

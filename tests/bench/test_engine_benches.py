@@ -100,6 +100,16 @@ def test_multiturn_quick():
     # the kept cache and a re-prefill of the whole history give the same greedy conversation
     assert result["same_conversation"] is True
     assert "re-prefill" in stdout
+    # the model's own step over the first and last turns' contexts: the growth any engine has
+    config = result["config"]
+    assert result["floor_contexts"]["first"] == config["user"] + (config["new"] - 1) // 2
+    assert result["floor_contexts"]["last"] == (turns - 1) * (config["user"] + config["new"]) + result["floor_contexts"]["first"]
+    assert positive(result["floor_step_ms"]["first"]) and positive(result["floor_step_ms"]["last"])
+    assert math.isclose(result["floor_growth"], result["floor_step_ms"]["last"] / result["floor_step_ms"]["first"],
+                        rel_tol=1e-9)
+    assert math.isclose(result["per_turn_growth_over_floor"], result["per_turn_growth"] / result["floor_growth"],
+                        rel_tol=1e-9)
+    assert "plain XLA grows" in stdout
 
 
 def test_generate_max_len_compares_with_a_short_max_len():
