@@ -30,6 +30,7 @@ SLOW = {
     "tests/train/test_resume.py::test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one": 57,
     "tests/train/test_failed_rollouts.py::test_a_user_endpoint_down_for_the_whole_run_stops_training": 37,
     "tests/train/test_failed_rollouts.py::test_a_grpo_step_trains_on_the_rollouts_that_did_not_fail": 37,
+    "tests/train/test_paced_user.py::test_a_grpo_run_against_a_throttling_stalling_endpoint_completes_with_its_failures_masked": 40,
     "tests/train/test_mcp_grpo.py": 52,
     "tests/train/test_secrets_in_a_run.py::test_the_api_key_reaches_no_file_of_the_run_and_no_output": 47,
     "tests/train/test_step_metrics.py::test_an_sft_and_grpo_run_logs_throughput_and_writes_its_traces": 42,
