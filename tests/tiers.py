@@ -50,6 +50,12 @@ SLOW = {
     # the whole reduced device check (all checks and figures, a subprocess; default tier: its logit and
     # attention checks and a wrong model failing them, tests/bench/test_device_bench.py)
     "tests/bench/test_device_bench.py::test_the_reduced_device_check_passes_on_cpu": 61,
+    # --- SIGTERM in the middle of a GRPO step's rollout (muajax.runtime.stopping): whole runs
+    # stopped, then resumed. Default tier: tests/runtime/test_stopping.py (signal -> stop ->
+    # the last finished step saved -> exit 75) and tests/agent/test_rollout_stop.py.
+    "tests/train/test_stop_resume.py::test_sigterm_mid_rollout_stops_saves_and_resumes_to_the_same_params": 396,
+    "tests/train/test_stop_resume.py::test_two_processes_stop_together_when_one_is_signalled_and_resume_to_the_same_params": 226,
+    "tests/train/test_stop_resume.py::test_an_asynchronous_run_stops_mid_rollout_and_resumes": 207,
     # --- asynchronous GRPO's whole runs. Default tier: the handoff and rollout thread's unit
     # tests (tests/train/test_async_grpo.py, tests/runtime/test_rollout_engine.py).
     "tests/train/test_async_grpo.py::test_no_row_is_trained_above_the_bound[2-True]": 14,
