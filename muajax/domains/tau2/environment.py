@@ -6,7 +6,12 @@ exposed by `tau2.registry`), and the evaluators (see `muajax.domains.tau2.scorin
 
 Per rollout, `reset(task)` builds a τ2 environment over a private copy of the domain
 database (and, for telecom, of the user's phone state) and applies the task's initial
-state, exactly as τ2's orchestrator does. Tool calls run through τ2's own
+state, exactly as τ2's orchestrator does. It builds it off the caller's thread: `reset`
+returns at once (the rollout loop admits conversations on its event loop, and unpickling a
+copy takes 0.05-0.15 s a conversation) and the environment's own builder thread makes the
+copy, which the session's first tool call waits for. Copies are kept out of the garbage
+collector's scans (`muajax.domains.tau2.collector`). A copy that cannot be built (its initial state
+fails) makes every tool call an error observation. Tool calls run through τ2's own
 `Environment.get_response`, so the outputs the agent sees are the ones τ2's evaluator
 replays and checks.
 
@@ -29,9 +34,8 @@ other openers (e.g. ones generated once by the user LLM and stored).
 """
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import copy
-import gc
 import os
 import pickle
 import threading
@@ -51,6 +55,7 @@ from tau2.registry import registry  # noqa: E402
 from tau2.user.user_simulator import SYSTEM_PROMPT, get_global_user_sim_guidelines  # noqa: E402
 
 from muajax.domains.tau2 import scoring as tau2_eval  # noqa: E402
+from muajax.domains.tau2.collector import copy_closed, freeze_new_objects, gc_paused  # noqa: E402
 from muajax.domains.base import Environment, call_shape_problem, EnvSession, Evaluation, Observation, Task, ToolCall  # noqa: E402
 from muajax.domains.general_tools import GENERAL_TOOL_SCHEMAS, TRANSFER_TOOL, run_general_tool  # noqa: E402
 
@@ -98,34 +103,6 @@ def default_first_user_message(domain: str, task_id: str) -> str:
         category = task_id[1:].split("]", 1)[0]
         return TELECOM_OPENERS.get(category, DOMAIN_OPENERS[domain])
     return DOMAIN_OPENERS[domain]
-
-
-_gc_lock = threading.Lock()
-_gc_pauses = 0
-_gc_resume = False
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Pause the cyclic garbage collector (refcounted across threads).
-
-    Copying and hashing a τ2 database allocates ~10^6 objects (airline), which sets off
-    full collections over every live copy: pausing the collector makes an evaluation
-    2-3x faster. Nothing these regions allocate is cyclic garbage; refcounting frees it.
-    """
-    global _gc_pauses, _gc_resume
-    with _gc_lock:
-        if _gc_pauses == 0:
-            _gc_resume = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_resume:
-                gc.enable()
 
 
 def _environment_factory(domain: str) -> Callable[[Any, Any], Any]:
@@ -177,6 +154,8 @@ class Tau2Environment(Environment):
         self._splits: dict[str, list[str]] = registry.get_task_splits_loader(domain)()
         self._index: dict[str, Tau2Task] = {}
         self._lock = threading.Lock()
+        # Builds sessions' environments in the order they were reset (one thread: they hold the GIL)
+        self._builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"muajax-tau2-{domain}")
 
     # --- Environment API -------------------------------------------------------------
     def policy(self) -> str:
@@ -249,6 +228,25 @@ class Tau2Environment(Environment):
             db, user_db = pickle.loads(self._pristine)
         return self._factory(db, user_db)
 
+    def build_session_environment(self, tau2_task: Tau2Task, prefix: list) -> Any:
+        """A session's τ2 environment: a fresh copy with the task's initial state applied."""
+        initial = tau2_task.initial_state
+        with gc_paused():
+            env = self.new_tau2_environment()
+            env.set_state(
+                initialization_data=initial.initialization_data if initial is not None else None,
+                initialization_actions=initial.initialization_actions if initial is not None else None,
+                message_history=copy.deepcopy(prefix),
+            )
+        return env
+
+    def _build_frozen(self, tau2_task: Tau2Task, prefix: list) -> Any:
+        """A session's environment, kept out of the collector's scans until it is closed."""
+        with gc_paused():
+            env = self.build_session_environment(tau2_task, prefix)
+            freeze_new_objects()
+        return env
+
 
 class Tau2Session(EnvSession):
     """One rollout of one τ2 task over its own database copy. Thread-safe."""
@@ -261,14 +259,20 @@ class Tau2Session(EnvSession):
         self._log: list[tau2_eval.ExecutedCall] = []
         self._agent_calls = 0
         self._memo: tuple[tuple, Any] | None = None
-        self._env = owner.new_tau2_environment()
         initial = tau2_task.initial_state
         self._prefix = list(initial.message_history or []) if initial is not None else []
-        self._env.set_state(
-            initialization_data=initial.initialization_data if initial is not None else None,
-            initialization_actions=initial.initialization_actions if initial is not None else None,
-            message_history=copy.deepcopy(self._prefix),
-        )
+        self._env: Any = None
+        self._closed = False
+        self._future: concurrent.futures.Future | None = owner._builder.submit(
+            owner._build_frozen, tau2_task, self._prefix)
+
+    def _environment(self) -> Any:
+        """The τ2 environment (hold `_lock`), waited for from the builder (one thread: copies
+        built in parallel by tool threads would starve the event loop of the GIL). Raises
+        what building it raised."""
+        if self._env is None:
+            self._env = self._future.result()  # raises the build's error, every time
+        return self._env
 
     def tools(self) -> list[dict[str, Any]]:
         return copy.deepcopy(self._owner._tool_schemas)
@@ -301,15 +305,20 @@ class Tau2Session(EnvSession):
 
     def _run(self, call: ToolCall, *, requestor: str) -> Observation:
         with self._lock:
-            if self._env is None:
+            if self._closed:
                 return Observation("Error: this session is closed", error=True)
+            try:
+                env = self._environment()
+            except Exception as exc:  # noqa: BLE001 - step() must never raise
+                return Observation(f"Error: the τ2 environment could not be set up: {type(exc).__name__}: {exc}",
+                                   error=True)
             n = len(self._log)
             tc = Tau2ToolCall(id=call.call_id or f"muajax-{requestor}-{n}", name=call.name,
                               arguments=copy.deepcopy(call.arguments), requestor=requestor)
             try:
                 # τ2 turns tool exceptions into an "Error: ..." message itself; this
                 # catches failures outside that (e.g. an unserialisable result).
-                response = self._env.get_response(tc)
+                response = env.get_response(tc)
             except Exception as exc:  # noqa: BLE001 - step() must never raise
                 return Observation(f"Error: {type(exc).__name__}: {exc}", error=True)
             self._log.append(tau2_eval.ExecutedCall(tc, response, self._agent_calls))
@@ -320,10 +329,11 @@ class Tau2Session(EnvSession):
     def state_hash(self) -> tuple[str | None, str | None]:
         """τ2's hashes of this session's agent and user databases (tests, debugging)."""
         with self._lock:
-            if self._env is None:
+            if self._closed:
                 raise RuntimeError("this session is closed")
+            env = self._environment()
             with gc_paused():
-                return self._env.get_db_hash(), self._env.get_user_db_hash()
+                return env.get_db_hash(), env.get_user_db_hash()
 
     def evaluate(self, messages: list[dict[str, Any]], *, communicate_info: bool) -> Evaluation:
         """τ2's reward for the conversation; usable after close(). See `muajax.domains.tau2.scoring`."""
@@ -348,7 +358,9 @@ class Tau2Session(EnvSession):
 
     def close(self) -> None:
         with self._lock:
-            self._env = None
+            if self._future is not None and not self._future.cancel():  # one not started is never built
+                self._future.add_done_callback(copy_closed)
+            self._closed, self._env, self._future = True, None, None
 
 
 def _malformed(call: Any) -> str | None:
