@@ -46,10 +46,11 @@ def test_a_grpo_run_against_a_throttling_stalling_endpoint_completes_with_its_fa
         simulator = make_user(cfg.user, cfg.env)
         latencies = time_turns(simulator)
         monkeypatch.setattr("tests.train.test_grpo.StopUser", lambda: simulator)
-        start, trained, _ = one_step(tmp_path, "paced", "rollout.n_per_task=4", "grpo.steps=2", *user)
+        one_step(tmp_path, "paced", "rollout.n_per_task=4", "grpo.steps=2", *user)
         times = sorted(r.received_at for r in server.chat_requests)
         counts = server.counts
-    records = [json.loads(line) for line in open(os.path.join(tmp_path, "paced", "metrics.jsonl"))]
+    with open(os.path.join(tmp_path, "paced", "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
     stats = simulator.stats()
     measured = (len(times) - 1) * 60.0 / (times[-1] - times[0])
     print(f"\nendpoint: {counts}, {measured:.0f} requests/min (limit {RPM}); user: {stats}; "
