@@ -127,6 +127,8 @@ class Conversation:
                                f"{len(observations)} observations for {len(route.calls)} calls")
         contents = []
         for i, observation in enumerate(observations):
+            if observation.setup_error:  # the environment was never there: nothing to learn from
+                return self._end(tr.SETUP_ERROR, safe_text(observation.content))
             content = safe_text(observation.content)
             message: dict[str, Any] = {"role": "tool", "content": content}
             if i < len(route.calls):

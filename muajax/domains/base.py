@@ -33,12 +33,15 @@ class Observation:
 
     `error` marks observations produced for bad calls (unknown tool, bad arguments,
     tool-raised errors) so the rollout can count them; `done` ends the episode
-    (e.g. `transfer_to_human_agents`).
+    (e.g. `transfer_to_human_agents`). `setup_error`: the session's environment could not be
+    built (it is built in the background, after `reset` returned): the episode ends as a
+    setup failure, left out of the update like one raised by `reset`.
     """
 
     content: str
     done: bool = False
     error: bool = False
+    setup_error: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

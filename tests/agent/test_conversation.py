@@ -196,3 +196,18 @@ def test_the_rollout_loop_prefills_a_conversation_again_when_its_tools_change():
     assert record.tokens[: len(expected)] == expected  # what the engine was fed (the loop checks it matches)
     assert record.termination in (USER_STOP, MAX_TURNS, "context", ENV_DONE) and record.error is None
     assert shared_engine().free_slots == shared_engine().num_slots
+
+
+def test_an_environment_that_could_not_be_set_up_ends_the_episode_as_a_setup_error():
+    """A session built in the background (τ2's) reports a failed build on its first tool call:
+    the conversation ends as setup_error, which the update leaves out, not as a normal episode."""
+    from muajax.agent.trajectory import ERROR_TERMINATIONS, SETUP_ERROR
+
+    conv = _conversation(RolloutConfig())
+    ids = tokenizer().encode(_call("get"), add_special_tokens=False) + [IM_END_ID]
+    route = conv.on_generation(ids, [-0.5] * len(ids), "stop")
+    assert route.kind == TOOL
+    failed = Observation("Error: the environment could not be set up: ValueError: no", error=True, setup_error=True)
+    assert conv.on_tool_results([failed]) is None
+    assert conv.record.termination == SETUP_ERROR and SETUP_ERROR in ERROR_TERMINATIONS
+    assert conv.record.error == failed.content

@@ -11,7 +11,8 @@ returns at once (the rollout loop admits conversations on its event loop, and un
 copy takes 0.05-0.15 s a conversation) and the environment's own builder thread makes the
 copy, which the session's first tool call waits for. Copies are kept out of the garbage
 collector's scans (`muajax.domains.tau2.collector`). A copy that cannot be built (its initial state
-fails) makes every tool call an error observation. Tool calls run through τ2's own
+fails) makes every tool call an error observation marked `setup_error`, which ends the
+conversation as a setup failure (left out of the update, as when `reset` itself fails). Tool calls run through τ2's own
 `Environment.get_response`, so the outputs the agent sees are the ones τ2's evaluator
 replays and checks.
 
@@ -311,7 +312,7 @@ class Tau2Session(EnvSession):
                 env = self._environment()
             except Exception as exc:  # noqa: BLE001 - step() must never raise
                 return Observation(f"Error: the τ2 environment could not be set up: {type(exc).__name__}: {exc}",
-                                   error=True)
+                                   error=True, setup_error=True)
             n = len(self._log)
             tc = Tau2ToolCall(id=call.call_id or f"muajax-{requestor}-{n}", name=call.name,
                               arguments=copy.deepcopy(call.arguments), requestor=requestor)

@@ -82,8 +82,8 @@ def test_a_copy_that_cannot_be_built_makes_tool_calls_errors_not_crashes(airline
     session = airline.reset(airline.tasks("train")[0])
     for _ in range(2):
         obs = session.step(LOOKUP)
-        assert obs.error and obs.content == ("Error: the τ2 environment could not be set up: ValueError: "
-                                             "initial state does not apply")
+        assert obs.error and obs.setup_error
+        assert obs.content == "Error: the τ2 environment could not be set up: ValueError: initial state does not apply"
     with pytest.raises(ValueError, match="initial state"):
         session.state_hash()
     session.close()
