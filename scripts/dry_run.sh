@@ -26,8 +26,11 @@ command_line() {
   printf '%s' "$line"
 }
 
+# One write per command (env printf: the external one, fully buffered; bash's own writes a
+# multi-line word line by line), so that commands a script starts in the background at
+# once do not interleave.
 show_command() {
-  printf '%s\n' "$(command_line "$@")" >&"$DRY_RUN_FD"
+  env printf '%s\n' "$(command_line "$@")" >&"$DRY_RUN_FD"
 }
 
 # Run a command, or with --dry-run print it.
@@ -41,7 +44,7 @@ run_with_input() {
   local text=$1 quote="'\\''"
   shift
   if [[ -n "$DRY_RUN" ]]; then
-    printf '%s\n' "$(command_line "$@") <<< '${text//\'/$quote}'" >&"$DRY_RUN_FD"
+    env printf '%s\n' "$(command_line "$@") <<< '${text//\'/$quote}'" >&"$DRY_RUN_FD"
   else
     printf '%s' "$text" | "$@"
   fi
