@@ -40,11 +40,12 @@ import sys
 from typing import Any
 
 from muajax.settings.fields import ConfigError
+from muajax.domains.acebench.scoring import format_figures
 from muajax.domains.registry import TAU2_DOMAINS, DomainConfigError
 from muajax.evaluation.saved_policy import EvalRequest, evaluate_checkpoint, evaluate_gold
 from muajax.runtime.policy import PolicyLoadError
 
-DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl", "mcp")
+DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl", "mcp", "acebench")
 BFCL_CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 SCRIPTED_DOMAINS = ("builtin", "bfcl")  # domains whose user needs no model
 USER_FLAGS = {"kind": "user", "model": "user_model", "base_url": "user_base_url", "api_key_env": "user_api_key_env",
@@ -77,6 +78,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a run config: its env section (e.g. MCP servers) and evaluation user")
     p.add_argument("--bfcl-category", default="base", choices=BFCL_CATEGORIES + tuple(f"multi_turn_{c}" for c in
                    BFCL_CATEGORIES), help="--domain bfcl: the BFCL-v3 multi-turn category (default: base)")
+    p.add_argument("--acebench-dir", help="--domain acebench: a checkout of ACEBench (git clone "
+                   "https://github.com/ACEBench/ACEBench)")
+    p.add_argument("--language", choices=("en", "zh"), help="--domain acebench: its English or Chinese items (default en)")
     p.add_argument("--trials", type=int, default=4, help="rollouts per task (τ2 uses 4); pass^k for k <= trials")
     p.add_argument("--max-tasks", type=int, help="only the first N tasks of the split")
     p.add_argument("--task-ids", nargs="+", help="only these tasks of the split (one --domain)")
@@ -120,6 +124,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--protocol tau2 runs τ2's own runner: --domain must be among {', '.join(TAU2_DOMAINS)}")
     if args.user == "scripted" and not set(args.domain) <= set(SCRIPTED_DOMAINS):
         p.error(f"--user scripted exists only for --domain builtin or bfcl; {' '.join(args.domain)} needs --user openai")
+    if "acebench" not in args.domain and (args.acebench_dir or args.language):
+        p.error("--acebench-dir and --language apply only to --domain acebench")
     if "bfcl" not in args.domain and args.bfcl_category != "base":
         p.error("--bfcl-category applies only to --domain bfcl")
     if "bfcl" in args.domain and args.user == "openai":
@@ -145,7 +151,8 @@ def request_from_args(args) -> EvalRequest:
                        task_ids=tuple(args.task_ids) if args.task_ids else None, temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0, user=_user_fields(args),
                        max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context,
                        slots=args.slots or 32, terse_tools=args.terse_tools, communicate_info=not args.no_communicate_info,
-                       dtype=args.dtype, out=args.out, config=args.config)
+                       dtype=args.dtype, out=args.out, config=args.config,
+                       acebench_dir=args.acebench_dir, acebench_language=args.language)
 
 
 def tau2_request_from_args(args):
@@ -176,12 +183,15 @@ def print_summary(name: str, summary: dict[str, Any], trials: int) -> None:
     else:
         print(f"  average reward: {summary['avg_reward']:.4f}   skipped (failed) simulations: {summary['skipped']}")
     print(f"  terminations: {summary['terminations']}", flush=True)
+    for line in format_figures(summary["acebench"]) if "acebench" in summary else ():
+        print(line, flush=True)
     print(f"  per-task results: {summary['out']}", flush=True)
 
 
 def figures_of(summary: dict[str, Any], trials: int) -> dict[str, Any]:
     keys = [f"pass^{k}" for k in range(1, trials + 1)] + ["dedup", "bfcl_category", "avg_reward", "simulations",
-                                                          "skipped", *FIGURES]
+                                                          "skipped", "acebench",
+                                                          *FIGURES]
     return {k: summary[k] for k in keys if k in summary}
 
 
@@ -192,6 +202,8 @@ def print_gold(summary: dict[str, Any]) -> None:
         print(f"  reward {reward}: {count} tasks")
     if summary["not_one"]:
         print(f"  below 1: {', '.join(summary['not_one'][:20])}" + (" ..." if len(summary["not_one"]) > 20 else ""))
+    for line in format_figures(summary["acebench"]) if "acebench" in summary else ():
+        print(line, flush=True)
     print(f"  per-task results: {summary['out']}", flush=True)
 
 

@@ -160,7 +160,7 @@ class EnvConfig:
 
     # The tasks' domain; "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is
     # evaluation-only: no train split
-    domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl"] = "builtin"
+    domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl", "acebench"] = "builtin"
     # several τ2 domains trained together (e.g. [retail, airline]); overrides `domain`
     domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
     builtin_seed: int = 0  # seeds the built-in domain's database and tasks
@@ -186,10 +186,16 @@ class EnvConfig:
     # it); "tau2" is exactly the list τ2's own agent gets (python -m muajax.eval uses it).
     tau2_tools: Literal["muajax", "tau2"] = "muajax"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)  # MCP servers and scenarios (env.domain mcp)
+    # env.domain acebench (evaluation only): a checkout of ACEBench/ACEBench and the language of its items
+    acebench_dir: str | None = None
+    acebench_language: Literal["en", "zh"] = "en"
 
     def validate(self) -> None:
         check(self.domain != "mcp" or bool(self.mcp.scenarios), "mcp.scenarios",
               "must list at least one scenario file when env.domain is 'mcp' (see muajax.domains.mcp.scenario)")
+        check(self.domain != "acebench" or bool(self.acebench_dir), "acebench_dir",
+              "must name a checkout of ACEBench when env.domain is 'acebench' "
+              "(git clone https://github.com/ACEBench/ACEBench)")
         if self.builtin_kind_weights is not None:
             try:
                 check_kind_weights(self.builtin_kind_weights)

@@ -46,6 +46,10 @@ def make_environment(env_cfg) -> Environment:
         from muajax.domains.bfcl.environment import BfclEnvironment  # raises with the install line when missing
 
         return BfclEnvironment(env_cfg.bfcl_category)
+    if domain == "acebench":
+        from muajax.domains.acebench.environment import AceBenchEnvironment
+
+        return AceBenchEnvironment(env_cfg.acebench_dir, env_cfg.acebench_language)
     if domain == "mcp":
         from muajax.domains.mcp.environment import environment_from_config
 
@@ -93,8 +97,13 @@ def make_user(user_cfg, env_cfg) -> UserSimulator:
 
         # retail and airline share τ2's guidelines; telecom's add the user's own tools
         kwargs["guidelines"] = tau2_user_guidelines(names[0])
+    simulator: type[OpenAIUserSimulator] = OpenAIUserSimulator
+    if env_cfg.domain == "acebench":  # ACEBench's user prompt per item; its multi-step items have no user
+        from muajax.domains.acebench.user import AceBenchUserSimulator
+
+        simulator = AceBenchUserSimulator
     try:
-        return OpenAIUserSimulator(**kwargs)
+        return simulator(**kwargs)
     except MissingApiKeyError as exc:  # the run stops before it writes anything, naming the key
         raise DomainConfigError(f"user.api_key_env: {exc}") from None
 

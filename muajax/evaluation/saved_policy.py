@@ -31,11 +31,14 @@ from muajax.agent.rollout import run_rollouts_sync
 from muajax.agent.rollout_config import RolloutConfig
 from muajax.settings.fields import ConfigError, from_dict
 from muajax.config.schema import EnvConfig, TrainConfig, UserConfig, load_config
+from muajax.domains.acebench.environment import MAX_TURNS as ACEBENCH_MAX_TURNS
+from muajax.domains.acebench.scoring import gold_failures, subset_figures
 from muajax.domains.registry import TAU2_DOMAINS, DomainConfigError, make_domain, make_environment, make_user
 from muajax.runtime.policy import Policy, load_policy, make_engine
 
 DEFAULT_CONTEXT = 16384  # a policy with no run config (an HF directory)
 SCRIPTED_DOMAINS = ("builtin", "bfcl")  # domains whose default user needs no model
+MAX_TURNS = {"bfcl": 200, "acebench": ACEBENCH_MAX_TURNS}  # --max-turns' default per domain (else 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,8 @@ class EvalRequest:
     dtype: str | None = None
     out: str | None = None
     config: str | None = None  # a run config file: its env section and evaluation user
+    acebench_dir: str | None = None  # acebench: the ACEBench checkout (else the run's env.acebench_dir)
+    acebench_language: str | None = None  # acebench: en or zh (else the run's, else en)
 
 
 def eval_user_config(given: Mapping[str, Any], run_cfg: TrainConfig | None, domain: str) -> UserConfig:
@@ -95,6 +100,9 @@ def domain_env_config(request: EvalRequest, run_cfg: TrainConfig | None, domain:
     updates: dict[str, Any] = {"tau2_tools": "tau2"}
     if domain == "bfcl":
         updates["bfcl_category"] = request.bfcl_category
+    if domain == "acebench":
+        updates.update(acebench_dir=request.acebench_dir or env.acebench_dir,
+                       acebench_language=request.acebench_language or env.acebench_language)
     if request.terse_tools is not None:
         updates["builtin_terse_tools"] = request.terse_tools
     return dataclasses.replace(env, **updates)
@@ -141,12 +149,13 @@ def _evaluate_domain(request: EvalRequest, policy: Policy, run_cfg, engine, name
     env_cfg, user_cfg, domain, tasks = setup
     context, new_tokens = rollout_limits(request, policy)
     end_on_malformed = run_cfg.rollout.end_on_malformed_call if run_cfg is not None else False
-    options = RolloutConfig(n_per_task=request.trials, max_turns=request.max_turns or (200 if name == "bfcl" else 30),
+    options = RolloutConfig(n_per_task=request.trials, max_turns=request.max_turns or MAX_TURNS.get(name, 30),
                             max_new_tokens_per_turn=new_tokens, max_context=context, temperature=request.temperature,
                             top_p=request.top_p, communicate_info=request.communicate_info,
                             # BFCL never ends an episode over a bad call: its turn goes on
                             end_on_malformed_call=end_on_malformed and name != "bfcl",
-                            execute_all_calls=True, zero_unfinished=True)
+                            # ACEBench scores the final state however the dialogue ended
+                            execute_all_calls=True, zero_unfinished=name != "acebench")
     print(f"evaluating on {name}/{request.split}: {len(tasks)} tasks x {request.trials} trials, user "
           f"{user_cfg.kind}{f' {user_cfg.model}' if user_cfg.kind == 'openai' else ''}, temperature "
           f"{request.temperature:g}, context {context}", flush=True)
@@ -164,6 +173,9 @@ def _evaluate_domain(request: EvalRequest, policy: Policy, run_cfg, engine, name
     if name == "bfcl":
         summary["bfcl_category"] = env_cfg.bfcl_category
         label = f"bfcl-{env_cfg.bfcl_category}"
+    if name == "acebench":  # its two subsets and their mean, as the paper reports them
+        summary["acebench"] = {"language": env_cfg.acebench_language, **subset_figures(trajectories)}
+        label = f"acebench-{env_cfg.acebench_language}"
     summary["out"] = write_json(out_path(request, label), {
         "summary": summary, "options": dataclasses.asdict(options),
         "tasks": task_records(trajectories, request.trials)})
@@ -229,6 +241,10 @@ def evaluate_gold(request: EvalRequest) -> dict[str, Any]:
     summary = {"policy": "gold", "domain": name, "split": request.split, **gold_summary(replays),
                "wall_s": round(time.time() - start, 2)}
     label = f"bfcl-{env_cfg.bfcl_category}" if name == "bfcl" else name
+    if name == "acebench":
+        summary["acebench"] = {"language": env_cfg.acebench_language, **subset_figures(replays),
+                               "failures": gold_failures(replays)}
+        label = f"acebench-{env_cfg.acebench_language}"
     summary["out"] = write_json(out_path(request, label, prefix="gold"), {
         "summary": summary, "tasks": [dataclasses.asdict(r) for r in replays]})
     return summary
