@@ -64,7 +64,7 @@ def step_settings(plan, rollout: RolloutConfig | None = None, *, hosts: int = 1,
     shards = shards or engine_shards(plan, r, hosts)
     attention = engine_attention(plan)
     conversations = -(-s.batch // hosts)
-    slots = max(-(-e.num_slots // hosts), getattr(e, "eval_slots", 0))  # RunContext.engine_slots
+    slots = e.host_slots(hosts)  # RunContext.engine_slots
     # the call layout as RunContext.engine chooses it: fixed rows (a step's share of
     # conversations in every call) or packed, with token tiles where deterministic
     fixed = r.deterministic and r.call_layout == "fixed_rows"

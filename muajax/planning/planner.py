@@ -27,6 +27,7 @@ from muajax.planning.programs import (EngineSettings, engine_cast_bytes, engine_
 from muajax.planning.roofline import roofline
 from muajax.planning.topology import GPUS
 from muajax.rl.grpo import GRPOConfig
+from muajax.runtime import run_tasks
 from muajax.runtime.grpo_layout import GRPOLayout, make_layout, rows_attention
 
 PHASES = ("rollout", "update", "sft")
@@ -82,12 +83,13 @@ def from_train_config(cfg: TrainConfig, *, phases: tuple[str, ...] | None = None
         phases = tuple(p for p, stage in (("rollout", "grpo"), ("update", "grpo"), ("sft", "sft"))
                        if stage in cfg.run.stages)
     # as RunContext.engine sizes it: a step's conversations, or the evaluation's if more
-    # (`eval_slots`, per host: the domain's held-out tasks x trials, `run_config.domain_facts`)
+    # (`eval_slots`: the domain's held-out tasks x trials, `run_config.domain_facts`; each host its share)
     # and lays its calls out as RunContext.engine does: fixed rows (every call a step's share of
     # conversations wide) or packed, with token tiles where deterministic
     fixed = r.deterministic and r.call_layout == "fixed_rows"
     engine = EngineSettings(num_slots=r.num_slots or batch, max_len=r.max_context, kv_cache_tokens=r.kv_cache_tokens,
                             page_size=r.page_size, attention=r.attention, mesh=r.mesh, eval_slots=eval_slots,
+                            eval_trials=run_tasks.eval_trials(cfg),
                             deterministic=r.deterministic and not fixed,
                             call_rows=(r.num_slots or batch) if fixed else None, extend_tile=r.extend_tile,
                             decode_tile=r.decode_tile)

@@ -145,7 +145,8 @@ class EngineSettings:
     max_extend_tokens: int = MAX_EXTEND_TOKENS
     attention: str = "auto"
     mesh: RolloutMeshConfig | None = None  # rollout.mesh; None: the trainer's default for the platform
-    eval_slots: int = 0                 # the evaluation's conversations (every host runs it whole)
+    eval_slots: int = 0                 # the evaluation's conversations, all hosts' (trials x held-out tasks)
+    eval_trials: int = 1                # its trials per task: a host holds trials x its block of the tasks
     # the call layout (`RunContext.engine`): token tiles (rollout.deterministic with packed
     # calls), or fixed rows (rollout.call_layout fixed_rows: `call_rows` rows, all shards, in
     # every call); neither: packed calls with whole-call dots
@@ -154,6 +155,12 @@ class EngineSettings:
     extend_tile: int | None = None      # rollout.extend_tile / decode_tile; None: the engine's for the platform
     decode_tile: int | None = None
     platform: str | None = None         # where the engine runs, when not where the plan compiles ("gpu": h100:8)
+
+    def host_slots(self, hosts: int) -> int:
+        """One host's slots (`RunContext.engine_slots`): its share of a step's conversations,
+        or of the evaluation's (trials x its block of the held-out tasks) when more."""
+        tasks = self.eval_slots // max(self.eval_trials, 1)
+        return max(-(-self.num_slots // hosts), self.eval_trials * -(-tasks // hosts))
 
     def tiles(self, platform: str, slots: int, shards: int) -> tuple[int, int]:
         """(extend_tile, decode_tile) as the engine resolves them (`batching.default_tiles`)."""
@@ -210,7 +217,7 @@ def engine_programs(cfg: Qwen3Config, mesh: Mesh, params, engine: EngineSettings
     devices, hosts = host_devices(list(mesh.devices.flat))
     devices = topology.one_host_devices(devices)
     local = rollout_engine.engine_mesh(engine.mesh, mesh, cfg, devices=devices, multiprocess=hosts > 1)
-    slots = max(-(-engine.num_slots // hosts), engine.eval_slots)  # RunContext.engine_slots
+    slots = engine.host_slots(hosts)  # RunContext.engine_slots
     tokens = None if engine.kv_cache_tokens is None else -(-engine.kv_cache_tokens // hosts)
     attention = engine.resolved_attention()
     tiled = engine.deterministic and not engine.call_rows

@@ -320,7 +320,7 @@ def compiled_engine_rows(plan, settings: StepSettings) -> int:
     """Rows the plan compiled the decode at: every slot of the host's engine
     (`engine_programs`: its conversations, or the evaluation's when more)."""
     e, sched = plan.settings.engine_settings, settings.schedule
-    slots = max(-(-e.num_slots // settings.hosts), getattr(e, "eval_slots", 0))
+    slots = e.host_slots(settings.hosts)
     return sched.shards * -(-slots // sched.shards)
 
 
