@@ -45,7 +45,8 @@ from muajax.domains.registry import TAU2_DOMAINS, DomainConfigError
 from muajax.evaluation.saved_policy import EvalRequest, evaluate_checkpoint, evaluate_gold
 from muajax.runtime.policy import PolicyLoadError
 
-DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl", "mcp", "acebench")
+DOMAINS = ("builtin", "retail", "airline", "telecom", "bfcl", "mcp", "tau1-retail", "tau1-airline",
+           "acebench")
 BFCL_CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
 SCRIPTED_DOMAINS = ("builtin", "bfcl")  # domains whose user needs no model
 USER_FLAGS = {"kind": "user", "model": "user_model", "base_url": "user_base_url", "api_key_env": "user_api_key_env",
@@ -78,6 +79,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a run config: its env section (e.g. MCP servers) and evaluation user")
     p.add_argument("--bfcl-category", default="base", choices=BFCL_CATEGORIES + tuple(f"multi_turn_{c}" for c in
                    BFCL_CATEGORIES), help="--domain bfcl: the BFCL-v3 multi-turn category (default: base)")
+    p.add_argument("--tau1-dir", help="--domain tau1-retail|tau1-airline: a checkout of sierra-research/tau-bench")
     p.add_argument("--acebench-dir", help="--domain acebench: a checkout of ACEBench (git clone "
                    "https://github.com/ACEBench/ACEBench)")
     p.add_argument("--language", choices=("en", "zh"), help="--domain acebench: its English or Chinese items (default en)")
@@ -124,6 +126,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--protocol tau2 runs τ2's own runner: --domain must be among {', '.join(TAU2_DOMAINS)}")
     if args.user == "scripted" and not set(args.domain) <= set(SCRIPTED_DOMAINS):
         p.error(f"--user scripted exists only for --domain builtin or bfcl; {' '.join(args.domain)} needs --user openai")
+    if args.tau1_dir is not None and not any(d.startswith("tau1-") for d in args.domain):
+        p.error("--tau1-dir applies only to --domain tau1-retail or tau1-airline")
     if "acebench" not in args.domain and (args.acebench_dir or args.language):
         p.error("--acebench-dir and --language apply only to --domain acebench")
     if "bfcl" not in args.domain and args.bfcl_category != "base":
@@ -151,7 +155,7 @@ def request_from_args(args) -> EvalRequest:
                        task_ids=tuple(args.task_ids) if args.task_ids else None, temperature=args.temperature, top_p=args.top_p, seed=args.seed or 0, user=_user_fields(args),
                        max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context,
                        slots=args.slots or 32, terse_tools=args.terse_tools, communicate_info=not args.no_communicate_info,
-                       dtype=args.dtype, out=args.out, config=args.config,
+                       dtype=args.dtype, out=args.out, config=args.config, tau1_dir=args.tau1_dir,
                        acebench_dir=args.acebench_dir, acebench_language=args.language)
 
 

@@ -160,7 +160,8 @@ class EnvConfig:
 
     # The tasks' domain; "bfcl" (BFCL-v3 multi-turn, the optional nvidia-bfcl install) is
     # evaluation-only: no train split
-    domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl", "acebench"] = "builtin"
+    domain: Literal["builtin", "retail", "airline", "telecom", "mcp", "bfcl", "tau1-retail", "tau1-airline",
+                    "acebench"] = "builtin"
     # several τ2 domains trained together (e.g. [retail, airline]); overrides `domain`
     domains: tuple[Literal["retail", "airline", "telecom"], ...] = ()
     builtin_seed: int = 0  # seeds the built-in domain's database and tasks
@@ -186,6 +187,8 @@ class EnvConfig:
     # it); "tau2" is exactly the list τ2's own agent gets (python -m muajax.eval uses it).
     tau2_tools: Literal["muajax", "tau2"] = "muajax"
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)  # MCP servers and scenarios (env.domain mcp)
+    # env.domain tau1-retail / tau1-airline: a checkout of sierra-research/tau-bench (τ1's task files)
+    tau1_dir: str | None = None
     # env.domain acebench (evaluation only): a checkout of ACEBench/ACEBench and the language of its items
     acebench_dir: str | None = None
     acebench_language: Literal["en", "zh"] = "en"
@@ -193,6 +196,9 @@ class EnvConfig:
     def validate(self) -> None:
         check(self.domain != "mcp" or bool(self.mcp.scenarios), "mcp.scenarios",
               "must list at least one scenario file when env.domain is 'mcp' (see muajax.domains.mcp.scenario)")
+        check(not self.domain.startswith("tau1-") or bool(self.tau1_dir), "tau1_dir",
+              f"must name a checkout of sierra-research/tau-bench when env.domain is {self.domain!r} "
+              "(git clone https://github.com/sierra-research/tau-bench)")
         check(self.domain != "acebench" or bool(self.acebench_dir), "acebench_dir",
               "must name a checkout of ACEBench when env.domain is 'acebench' "
               "(git clone https://github.com/ACEBench/ACEBench)")

@@ -11,6 +11,8 @@ from muajax.domains.base import Domain, Environment, UserSimulator
 from muajax.domains.latency import reply_delay
 
 TAU2_DOMAINS = ("retail", "airline", "telecom")
+# τ1-bench's tasks on τ2's environment of the same domain (muajax.domains.tau1; env.tau1_dir)
+TAU1_DOMAINS = {"tau1-retail": "retail", "tau1-airline": "airline"}
 
 
 class DomainConfigError(ValueError):
@@ -21,6 +23,8 @@ def tau2_domains(env_cfg) -> tuple[str, ...]:
     """The τ2 domains a config names (several with `env.domains`), else ()."""
     if env_cfg.domains:
         return tuple(env_cfg.domains)
+    if env_cfg.domain in TAU1_DOMAINS:
+        return (TAU1_DOMAINS[env_cfg.domain],)
     return (env_cfg.domain,) if env_cfg.domain in TAU2_DOMAINS else ()
 
 
@@ -34,6 +38,14 @@ def make_environment(env_cfg) -> Environment:
         if env_cfg.domains:  # trained together: one task list, each task with its domain's policy
             return CombinedEnvironment([Tau2Environment(d, tools=tools) for d in env_cfg.domains])
         return Tau2Environment(domain, tools=tools)
+    if domain in TAU1_DOMAINS:
+        from muajax.domains.tau1.environment import Tau1Environment
+        from muajax.domains.tau1.tasks import Tau1CheckoutError
+
+        try:
+            return Tau1Environment(TAU1_DOMAINS[domain], env_cfg.tau1_dir, tools=env_cfg.tau2_tools)
+        except Tau1CheckoutError as exc:  # the message names env.tau1_dir
+            raise DomainConfigError(str(exc)) from None
     if domain == "builtin":
         from muajax.domains.builtin import BuiltinEnvironment
 

@@ -69,6 +69,7 @@ class EvalRequest:
     config: str | None = None  # a run config file: its env section and evaluation user
     acebench_dir: str | None = None  # acebench: the ACEBench checkout (else the run's env.acebench_dir)
     acebench_language: str | None = None  # acebench: en or zh (else the run's, else en)
+    tau1_dir: str | None = None  # tau1-* domains: the tau-bench checkout (else the run's env.tau1_dir)
 
 
 def eval_user_config(given: Mapping[str, Any], run_cfg: TrainConfig | None, domain: str) -> UserConfig:
@@ -100,6 +101,8 @@ def domain_env_config(request: EvalRequest, run_cfg: TrainConfig | None, domain:
     updates: dict[str, Any] = {"tau2_tools": "tau2"}
     if domain == "bfcl":
         updates["bfcl_category"] = request.bfcl_category
+    if request.tau1_dir is not None:
+        updates["tau1_dir"] = request.tau1_dir
     if domain == "acebench":
         updates.update(acebench_dir=request.acebench_dir or env.acebench_dir,
                        acebench_language=request.acebench_language or env.acebench_language)
