@@ -139,6 +139,8 @@ SLOW = {
     # --- commands over whole domains. Default tier: synth with the expert and on MCP, BFCL's scoring.
     "tests/test_synth_cli.py::test_failed_conversations_are_never_kept": 9,
     "tests/domains/bfcl/test_bfcl.py::test_eval_cli_on_bfcl": 7,
+    # ACEBench: two saved policies against a fake user (default tier: its gold replay through the CLI)
+    "tests/domains/acebench/test_acebench_eval.py::test_a_saved_policy_against_a_fake_user_endpoint": 40,
     "tests/test_pretrain.py::test_a_run_loads_the_base_and_refuses_what_does_not_fit": 11,
     # --- the model on 8 devices over the sequence axis. Default tier: the 8-device step
     # scenarios of tests/rl/test_step.py (sharded equals one device).
