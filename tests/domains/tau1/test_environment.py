@@ -138,3 +138,15 @@ def test_the_eval_command_replays_the_gold_of_a_tau1_split(checkout, tmp_path, c
     assert [t["task_id"] for t in json.load(open(out))["tasks"]] == ["tau1-train-0", "tau1-train-1"]
     assert main(["--policy", "gold", "--domain", "tau1-retail", "--split", "train", "--out", out]) == 2
     assert "env.tau1_dir (--tau1-dir)" in capsys.readouterr().err
+
+
+def test_the_shipped_tau1_run_trains_on_tau1s_train_split_and_evaluates_on_tau2s_test_split(checkout):
+    from muajax.runtime import run_tasks
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    cfg = load_config(os.path.join(root, "configs", "runs", "qwen3-8b-tau1.yaml"), [f"env.tau1_dir={checkout}"])
+    environment = make_environment(cfg.env)
+    train, held_out = run_tasks.train_tasks(cfg, environment), run_tasks.eval_tasks(cfg, environment)
+    assert [t.task_id for t in train] == ["tau1-train-0", "tau1-train-1"]
+    assert len(held_out) == 40 and {t.domain for t in held_out} == {"retail"}
+    assert all(not t.task_id.startswith("tau1-") for t in held_out)
