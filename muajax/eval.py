@@ -31,6 +31,12 @@ README): `--bfcl-category` base (default), miss_func, miss_param or long_context
 split is `test`. The user is the benchmark's scripted turns, the prompt BFCL's
 function-calling one, every call of a message runs as one BFCL step, and the score is
 BFCL's own multi-turn checker; the episode limit defaults to 200 turns there.
+
+ACEBench Agent (`--domain acebench --acebench-dir CHECKOUT [--language en|zh]`, docs/acebench.md):
+the multi-turn and multi-step items of a checkout; the user (multi-turn only) is an
+OpenAI-compatible endpoint under ACEBench's user prompt. It prints each subset's end-to-end
+and process accuracy and their unweighted mean ("Overall"); the limit defaults to 20 turns
+(ACEBench's 40 dialogue messages) and the final state is scored however the dialogue ended.
 """
 from __future__ import annotations
 
@@ -90,7 +96,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="sampling seed (default 0; --protocol tau2: τ2's 300)")
     _add_user_args(p)
-    p.add_argument("--max-turns", type=int, help="muajax: user replies + tool calls per episode (default 30; bfcl 200)")
+    p.add_argument("--max-turns", type=int, help="muajax: user replies + tool calls per episode (default 30; bfcl 200; acebench 20)")
     p.add_argument("--max-steps", type=int, default=200, help="tau2: τ2's step limit per simulation")
     p.add_argument("--max-errors", type=int, default=10, help="tau2: τ2's tool-error limit per simulation")
     p.add_argument("--max-new-tokens", type=int, help="per assistant turn (default: the run's, else 1024)")

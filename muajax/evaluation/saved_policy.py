@@ -58,7 +58,7 @@ class EvalRequest:
     top_p: float = 1.0
     seed: int = 0
     user: dict[str, Any] = dataclasses.field(default_factory=dict)  # `UserConfig` fields given explicitly
-    max_turns: int | None = None  # None: 30, BFCL 200
+    max_turns: int | None = None  # None: MAX_TURNS per domain, else 30
     max_new_tokens: int | None = None
     max_context: int | None = None
     slots: int = 32

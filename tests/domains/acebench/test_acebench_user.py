@@ -62,3 +62,20 @@ def test_multi_step_items_have_no_user_only_a_reminder_until_the_agent_finishes(
 def test_acebench_needs_a_model_user(env):
     with pytest.raises(DomainConfigError, match="user.kind"):
         make_user(UserConfig(kind="scripted"), EnvConfig(domain="acebench", acebench_dir=str(env.checkout.root)))
+
+
+def test_a_run_config_builds_the_domain_through_the_registry(env):
+    from muajax.config.schema import load_config
+    from muajax.domains.registry import make_domain
+    from muajax.settings.fields import ConfigError
+
+    root = str(env.checkout.root)
+    cfg = load_config(None, ["env.domain=acebench", f"env.acebench_dir={root}", "env.train_split=multi_turn",
+                             "user.kind=openai", "user.model=m", "user.base_url=http://127.0.0.1:9/v1"])
+    domain = make_domain(cfg.env, cfg.user)
+    assert isinstance(domain.user, AceBenchUserSimulator)
+    assert [t.task_id for t in domain.env.tasks(cfg.env.train_split)] == ["agent_multi_turn_0", "agent_multi_turn_1"]
+    with pytest.raises(ValueError, match="ACEBench has no train split"):
+        domain.env.tasks("train")
+    with pytest.raises(ConfigError, match="env.acebench_dir"):
+        load_config(None, ["env.domain=acebench"])
