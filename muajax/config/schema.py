@@ -189,9 +189,9 @@ class EnvConfig:
     mcp: McpConfig = dataclasses.field(default_factory=McpConfig)  # MCP servers and scenarios (env.domain mcp)
     # env.domain tau1-retail / tau1-airline: a checkout of sierra-research/tau-bench (τ1's task files)
     tau1_dir: str | None = None
-    # env.domain acebench (evaluation only): a checkout of ACEBench/ACEBench and the language of its items
+    # env.domain acebench (evaluation only): a checkout of ACEBench (git clone https://github.com/ACEBench/ACEBench)
     acebench_dir: str | None = None
-    acebench_language: Literal["en", "zh"] = "en"
+    acebench_language: Literal["en", "zh"] = "en"  # env.domain acebench: its English or Chinese Agent items
 
     def validate(self) -> None:
         check(self.domain != "mcp" or bool(self.mcp.scenarios), "mcp.scenarios",
