@@ -166,7 +166,7 @@ class AceBenchSession(EnvSession):
                     self._methods.setdefault(method_name, []).append(method)
         self._tools = [tool_schema(doc) for doc in item.functions]
         self._messages: list[list[ToolCall]] = []  # the agent's call messages, as ACEBench's milestones count them
-        self._reached = False  # a call reached the sandbox: ACEBench records the state only then
+        self._reached = False  # ACEBench records the state only once a call ran (see step_calls)
 
     def tools(self) -> list[dict[str, Any]]:
         return copy.deepcopy(self._tools)
@@ -175,9 +175,24 @@ class AceBenchSession(EnvSession):
         return self.step_calls([call])[0]
 
     def step_calls(self, calls: list[ToolCall]) -> list[Observation]:
+        """One call message. As ACEBench's executors: multi-turn stops a message at its first
+        failing call and records the state only after a message whose calls all ran; multi-step
+        runs every call and records it once any well-formed call was made."""
+        multi_turn = self.item.subset == "multi_turn"
         with self._lock:
             self._messages.append([c for c in calls if call_shape_problem(c) is None])
-            return [self._run(call) for call in calls]
+            observations: list[Observation] = []
+            for call in calls:
+                if multi_turn and any(o.error for o in observations):
+                    observations.append(Observation(f"Error: {getattr(call, 'name', '?')} did not run: an earlier "
+                                                    "call of this message failed", error=True))
+                    continue
+                if not multi_turn and call_shape_problem(call) is None:
+                    self._reached = True
+                observations.append(self._run(call))
+            if multi_turn and calls and not any(o.error for o in observations):
+                self._reached = True
+            return observations
 
     def _run(self, call: Any) -> Observation:
         problem = call_shape_problem(call)
@@ -191,7 +206,6 @@ class AceBenchSession(EnvSession):
             inspect.signature(methods[0]).bind(**call.arguments)
         except TypeError as exc:
             return Observation(f"Error: bad arguments for {call.name}: {exc}", error=True)
-        self._reached = True
         try:
             for method in methods:
                 result = method(**copy.deepcopy(call.arguments))

@@ -4,7 +4,8 @@
 End-to-end accuracy (the reward): the sandbox's final state, one `{class: {attribute: value}}`
 per involved class (the attributes its `SAVED_CLASS` lists), passed through JSON as ACEBench's
 result file passes it (integer keys become strings), compared with `ground_truth`:
-- the number of classes must match (ACEBench records no state when no call reached the sandbox);
+- the number of classes must match (ACEBench records no state before a call ran: in multi-turn,
+  a message whose calls all ran; in multi-step, any well-formed call);
 - each ground-truth class is matched to the state entry with the same class name; one that
   matches none is not checked (ACEBench's loop keeps the previous verdict; its data has such
   typos, e.g. "ReminderAPI"): `unchecked` lists them;
@@ -127,7 +128,7 @@ def _class_errors(name: str, model: dict[str, Any], truth: dict[str, Any]) -> li
 def compare_state(state: list[dict[str, Any]], ground_truth: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """(errors, unchecked ground-truth classes); the state is right when errors is empty."""
     if len(state) != len(ground_truth):
-        why = "no call reached the sandbox, so no state was recorded; " if not state else ""
+        why = "no call ran, so no state was recorded; " if not state else ""
         return [f"wrong number of classes: {why}the ground truth has {len(ground_truth)}, the state {len(state)}"], []
     errors, unchecked = [], []
     for entry in ground_truth:

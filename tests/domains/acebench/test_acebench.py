@@ -83,7 +83,14 @@ def test_bad_calls_answer_with_an_error_the_agent_can_read(env):
     for call, expected in cases:
         observation = session.step(call)
         assert observation.error and expected in observation.content, observation
-    assert session.state() != []  # delete_note reached the sandbox (and raised), so ACEBench records a state
+    assert session.state() == []  # multi-turn: no message ran without an error, so ACEBench records no state
+    # multi-turn stops a message at its first failing call, as ACEBench's executor does
+    first, second, third = session.step_calls([ToolCall("turn_on_wifi", {}), ToolCall("delete_note", {"note_id": 7}),
+                                               ToolCall("add_note", {"text": "never"})])
+    assert not first.error and second.error and third.error and "did not run" in third.content
+    assert session.state() == [] and len(session._instances["NoteApi"].notes) == 1
+    step = env.reset(_task(env, "agent_multi_step_0"))
+    assert step.step(ToolCall("delete_note", {"note_id": 7})).error and step.state() != []  # multi-step: recorded
 
 
 def test_state_comparison_is_acebench_s_checker():
@@ -99,7 +106,7 @@ def test_state_comparison_is_acebench_s_checker():
     # a ground-truth class no state entry matches (ACEBench's data has typos like "ReminderAPI") is not checked
     assert compare_state(right, [truth[0], {"NoteAPI": {"notes": {}}}]) == ([], ["NoteAPI"])
     errors, _ = compare_state([], truth)
-    assert "no call reached the sandbox" in errors[0]
+    assert "no call ran" in errors[0]
 
 
 def test_milestones_match_in_order_by_calls_and_the_best_alternative_counts():
@@ -130,7 +137,7 @@ def test_scores_are_end_to_end_and_process_and_the_multi_step_path_runs_without_
     assert (session.evaluate([], communicate_info=True).reward, session.evaluate([], communicate_info=True).partial) \
         == (1.0, 1.0)
     assert env.reset(task).evaluate([], communicate_info=True).details["state_errors"][0].startswith(
-        "wrong number of classes: no call reached the sandbox")
+        "wrong number of classes: no call ran")
 
 
 def test_gold_replays_every_fixture_item_to_its_ground_truth(env):
