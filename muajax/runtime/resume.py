@@ -98,11 +98,19 @@ def may_change(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in MAY_CHANGE)
 
 
-def math_changes(saved: Mapping, new: Mapping) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, new value) for each key that differs and changes the math."""
+def math_changes(saved: Mapping, new: Mapping, defaults: Mapping | None = None) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, new value) for each key that differs and changes the math.
+    With `defaults` (a whole config's default values): a key the saved config does not have
+    (added to muajax after the checkpoint) is no change while it holds its default, the value
+    that keeps what the run did before the key existed."""
     old, now = _flatten(saved), _flatten(new)
+    default = _flatten(defaults) if defaults is not None else {}
+
+    def new_at_default(key):
+        return key not in old and key in default and now.get(key, _ABSENT) == default[key]
+
     return [(key, old.get(key, _ABSENT), now.get(key, _ABSENT)) for key in sorted(set(old) | set(now))
-            if old.get(key, _ABSENT) != now.get(key, _ABSENT) and not may_change(key)]
+            if old.get(key, _ABSENT) != now.get(key, _ABSENT) and not may_change(key) and not new_at_default(key)]
 
 
 def _latest_metadata(directory: str) -> tuple[int, dict] | None:
@@ -123,7 +131,7 @@ def _check_config(cfg: TrainConfig, latest: dict[str, tuple[int, dict]]) -> None
         if not isinstance(saved, Mapping):
             problems.append(f"{stage} step {step} records no run config to compare with")
             continue
-        for key, was, now in math_changes(saved, new):
+        for key, was, now in math_changes(saved, new, config_to_dict(TrainConfig())):
             problems.append(f"{key}: {_short(was)} in {stage} step {step}, now {_short(now)}")
     if problems:
         listing = "\n  ".join(dict.fromkeys(problems))

@@ -134,6 +134,11 @@ def test_the_math_keys():
     new = {"run": {"seed": 0, "name": "b"}, "model": {"arch": None}, "grpo": {"steps": 2, "new_key": 1}}
     assert math_changes(saved, new) == [("grpo.new_key", "(absent)", 1), ("model.arch", "(absent)", None),
                                         ("model.arch.hidden_size", 32, "(absent)")]
+    # a key added to muajax after the checkpoint was written is no change at its default value
+    # (what the run did before the key existed), and is one at any other
+    defaults = {"grpo": {"new_key": 1, "steps": 1}}
+    assert ("grpo.new_key", "(absent)", 1) not in math_changes(saved, new, defaults)
+    assert ("grpo.new_key", "(absent)", 2) in math_changes(saved, {**new, "grpo": {"steps": 2, "new_key": 2}}, defaults)
 
 
 def test_a_remote_user_without_its_key_exits_2_before_writing(tmp_path):
@@ -218,3 +223,21 @@ def test_main_maps_stops_to_exit_codes(monkeypatch, tmp_path, capsys):
         assert cli.main([*CLI, f"run.out_dir={tmp_path}"]) == 1
         captured = capsys.readouterr()
         assert str(error) in captured.err and "params_sha256" not in captured.out
+
+
+def test_a_checkpoint_from_before_a_key_existed_resumes_while_the_key_holds_its_default():
+    """Upgrading muajax between a save and its resume adds keys the saved config lacks: at
+    their defaults they change nothing, so the resume goes on; set otherwise, it is refused."""
+    import dataclasses
+
+    from muajax.config.schema import TrainConfig
+    from muajax.runtime.resume import _check_config
+    from muajax.settings.fields import config_to_dict
+
+    saved = config_to_dict(TrainConfig())
+    del saved["grpo"]["kl_coef"]  # as if written by a muajax that did not have the key
+    _check_config(TrainConfig(), {"grpo": (3, {"config": saved})})
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, kl_coef=cfg.grpo.kl_coef + 0.5))
+    with pytest.raises(ResumeError, match="grpo.kl_coef"):
+        _check_config(cfg, {"grpo": (3, {"config": saved})})
