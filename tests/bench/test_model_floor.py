@@ -32,6 +32,10 @@ def test_the_floor_step_gives_transformers_logits_over_the_same_cache(hf_checkpo
     weights = model_floor.model_weights(hf)
     logits, new = model_floor.step_logits(weights, caches, token.astype(np.int32), prompt.shape[1], shape)
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-4, atol=1e-4)
+    by_position = [(k.transpose(0, 1, 3, 2), v) for k, v in caches]  # keys [B, K, H, S]
+    logits_t, _ = model_floor.step_logits(weights, by_position, token.astype(np.int32), prompt.shape[1],
+                                          shape._replace(keys_by_position=True))
+    np.testing.assert_allclose(np.asarray(logits_t), expected, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # the new key and value are the ones transformers caches
         full = hf(torch.from_numpy(np.concatenate([prompt, token[:, None]], 1)), use_cache=True).past_key_values
     np.testing.assert_allclose(np.asarray(new[0][0]), full.layers[0].keys[:, :, -1].numpy(), rtol=1e-4, atol=1e-5)
