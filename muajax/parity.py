@@ -34,6 +34,11 @@ import time
 
 import numpy as np
 
+# the checkpoint's two loads, right padding and transformers' logits, as the device check does them
+from muajax.bench.device_checks import hf_logits, pad_right
+from muajax.bench.device_checks import hf_model as hf_load
+from muajax.bench.device_checks import muajax_model as muajax_load
+
 F32_ATOL = 1e-4
 BF16_MAX_KL = 1e-2
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
@@ -106,37 +111,7 @@ def make_prompts(hf_dir: str, vocab_size: int, batch: int, seed: int, max_len: i
     return prompts, f"random token ids, seed {seed} (" + "; ".join(notes) + ")"
 
 
-def pad_right(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    width = max(len(p) for p in prompts)
-    tokens = np.zeros((len(prompts), width), np.int32)
-    mask = np.zeros_like(tokens)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-        mask[i, : len(p)] = 1
-    return tokens, mask
-
-
 # ----------------------------------------------------------------------------- transformers
-
-
-def hf_load(hf_dir: str, dtype: str):
-    import torch
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    model = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
-    # A hub generation_config may carry eos ids and sampling defaults; the comparison needs
-    # exactly N argmax tokens, and min_new_tokens would instead bend the argmax away from EOS.
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    import torch
-
-    with torch.inference_mode():
-        out = model(torch.as_tensor(tokens, dtype=torch.long), attention_mask=torch.as_tensor(mask))
-    return out.logits.float().numpy()
 
 
 def hf_greedy(model, prompts: list[list[int]], num_tokens: int) -> np.ndarray:
@@ -157,12 +132,6 @@ def hf_greedy(model, prompts: list[list[int]], num_tokens: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- muajax
-
-
-def muajax_load(hf_dir: str, dtype: str):
-    from muajax.models.hf import load_config, load_params
-
-    return load_params(hf_dir, load_config(hf_dir, param_dtype=dtype, dtype=dtype))
 
 
 def muajax_logits(params, cfg, tokens: np.ndarray) -> np.ndarray:
