@@ -3,7 +3,7 @@
 Source of truth: `configs/models/<name>.yaml` in the repository, located relative to this
 package (`<repo>/muajax/models/presets.py` -> `<repo>/configs/models`). pyproject packages
 only `muajax*`, so a wheel install has no `configs/`; for that case `BUILTIN` holds the same
-six architectures as a Python dict, and `tests/models/test_presets.py` fails if the two ever
+architectures as a Python dict, and `tests/models/test_presets.py` fails if the two ever
 disagree. When both exist, a YAML file wins over the built-in entry of the same name, and
 a YAML-only file (a new preset) is picked up without code changes.
 
@@ -47,11 +47,16 @@ BUILTIN: dict[str, dict] = {
     "qwen3-8b": _arch(4096, 12288, 36, 32, 8, False),
     "qwen3-14b": _arch(5120, 17408, 40, 40, 8, False),
     "qwen3-32b": _arch(5120, 25600, 64, 64, 8, False),
+    # Mixtures of experts: 128 experts, 8 active per token, renormalised over those 8.
+    "qwen3-30b-a3b": dict(_arch(2048, 6144, 48, 32, 4, False), num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True),
+    "qwen3-235b-a22b": dict(_arch(4096, 12288, 94, 64, 4, False), num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=1536, norm_topk_prob=True),
 }
 
 
 def _size_key(name: str):
-    m = re.search(r"(\d+(?:\.\d+)?)b$", name)
+    m = re.search(r"(\d+(?:\.\d+)?)b(?:-a\d+b)?$", name)
     return (0, float(m.group(1)), name) if m else (1, 0.0, name)
 
 

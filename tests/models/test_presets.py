@@ -17,8 +17,36 @@ REAL = {
 }
 
 
-def test_lists_the_six_sizes_smallest_first():
-    assert list_presets()[:6] == list(REAL)
+# Mixtures of experts: (hidden, moe width, layers, heads, kv heads, experts, active, total and
+# active params in billions as Qwen publishes them)
+REAL_MOE = {
+    "qwen3-30b-a3b": (2048, 768, 48, 32, 4, 128, 8, 30.5, 3.3),
+    "qwen3-235b-a22b": (4096, 1536, 94, 64, 4, 128, 8, 235.1, 22.2),
+}
+
+
+def test_lists_the_sizes_smallest_first():
+    assert list_presets() == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-30b-a3b",
+                              "qwen3-32b", "qwen3-235b-a22b"]
+
+
+@pytest.mark.parametrize("name", sorted(REAL_MOE))
+def test_moe_preset_matches_the_real_architecture(name):
+    d, f, layers, heads, kv, experts, active, total, active_billions = REAL_MOE[name]
+    cfg = preset_config(name)
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (d, f, layers, heads, kv, experts,
+                                                                               active, True)
+    assert round(cfg.num_params() / 1e9, 1) == total
+    # Qwen writes 3.3B for 30B-A3B's 3.35B active (embedding and head included)
+    assert abs(cfg.num_params(active=True) / 1e9 - active_billions) < 0.06
+
+
+def test_moe_config_refuses_bad_expert_counts():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        preset_config("qwen3-30b-a3b", num_experts_per_tok=129)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        preset_config("qwen3-30b-a3b", moe_intermediate_size=0)
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
@@ -32,7 +60,7 @@ def test_preset_matches_the_real_architecture(name):
     assert round(cfg.num_params() / 1e9, 1) == billions
 
 
-@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize("name", sorted(REAL) + sorted(REAL_MOE))
 def test_yaml_file_and_builtin_copy_agree(name):
     # The built-in dict is what a wheel install (no configs/ folder) uses; drift would be silent.
     path = presets.PRESETS_DIR / f"{name}.yaml"
@@ -66,7 +94,7 @@ def test_unknown_override_is_named():
 
 def test_falls_back_to_builtin_without_the_configs_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(presets, "PRESETS_DIR", tmp_path / "absent")
-    assert list_presets() == list(REAL)
+    assert list_presets() == sorted(list(REAL) + list(REAL_MOE), key=presets._size_key)
     assert preset_config("qwen3-32b").num_layers == 64
     assert "built-in" in presets.presets_source()
 
