@@ -1,7 +1,7 @@
 """Device mesh and the one rules table that maps logical axis names onto mesh axes.
 
-The mesh has the axes MESH_AXES, (data, fsdp, tensor, sequence), the one list of them
-that everything else (configs, the planner's sweep) is derived from:
+The mesh has the axes MESH_AXES, (data, fsdp, tensor, sequence, expert), the one list of
+them that everything else (configs, the planner's sweep) is derived from:
   data     — pure data parallelism (replicated weights);
   fsdp     — data parallelism with weights and optimizer state sharded (ZeRO-3 style);
   tensor   — Megatron-style tensor parallelism over heads, MLP width and vocabulary;
@@ -9,7 +9,13 @@ that everything else (configs, the planner's sweep) is derived from:
              row spans several devices. Attention gathers the keys and values of the
              whole row (`muajax.models.attention`); everything else is per position.
              Weights are sharded over it as over fsdp (it holds different data).
-Batches are split over (data, fsdp). A dimension that a mesh axis does not divide
+  expert   — expert parallelism for mixture-of-experts layers: each device holds
+             E / expert of the experts' weights ("exp" axis), and tokens travel to their
+             experts' devices and back by all-to-all (`muajax.models.moe_dispatch`).
+             Everything outside the experts treats it as data parallelism, as MaxText's
+             expert axis does: it splits the batch, and the other weights are sharded
+             over it as over fsdp. On a dense model it is one more data axis.
+Batches are split over (data, fsdp, expert). A dimension that a mesh axis does not divide
 evenly stays replicated on that axis (e.g. 2 kv heads on tensor=4), so every model runs
 on every mesh; `describe_layout` shows what was actually sharded.
 """
@@ -23,13 +29,16 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-# `sequence` comes last so that calls naming (data, fsdp, tensor) by position keep their
-# meaning; it also puts the axis whose all-gathers run every layer on the closest devices.
-MESH_AXES = ("data", "fsdp", "tensor", "sequence")
-BATCH_AXES = ("data", "fsdp")
+# `sequence` and `expert` come last so that calls naming (data, fsdp, tensor) by position
+# keep their meaning (an axis left out is 1); it also puts the axes whose collectives run
+# every layer (sequence's all-gathers, expert's all-to-alls) on the closest devices.
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+EXPERT_AXIS = "expert"
+BATCH_AXES = ("data", "fsdp", EXPERT_AXIS)
 SEQUENCE_AXIS = "sequence"
-# Weights and optimizer state are sharded over every axis that holds different data.
-WEIGHT_AXES = ("fsdp", SEQUENCE_AXIS)
+# Weights and optimizer state are sharded over every axis that holds different data (an
+# expert weight's "exp" dimension takes the expert axis first: see `logical_to_spec`).
+WEIGHT_AXES = ("fsdp", SEQUENCE_AXIS, EXPERT_AXIS)
 
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_batch", BATCH_AXES),
@@ -49,6 +58,12 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    # mixture of experts (muajax.models.moe_layer): the experts' axis and each expert's MLP width
+    ("exp", None),
+    ("moe_mlp", "tensor"),
+    # mixture-of-experts weights [E, D, F]: experts over the expert axis, F like the MLP's
+    ("exp", EXPERT_AXIS),
+    ("moe_mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
     ("layers", None),
@@ -58,9 +73,15 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def resolve_mesh_shape(data: int, fsdp: int, tensor: int, sequence: int, num_devices: int) -> tuple[int, ...]:
-    """Sizes in MESH_AXES order: a single -1 filled with the remaining devices, the product checked."""
-    sizes = [data, fsdp, tensor, sequence]
+def resolve_mesh_shape(*sizes_then_devices: int) -> tuple[int, ...]:
+    """`resolve_mesh_shape(data, fsdp, tensor, sequence[, expert], num_devices)`: sizes in
+    MESH_AXES order (trailing axes left out are 1), then the device count. Returns every
+    axis's size: a single -1 filled with the remaining devices, the product checked."""
+    *given, num_devices = sizes_then_devices
+    if not 1 <= len(given) <= len(MESH_AXES):
+        raise TypeError(f"resolve_mesh_shape takes 1 to {len(MESH_AXES)} sizes ({', '.join(MESH_AXES)}) "
+                        f"and the device count; got {len(given)} sizes")
+    sizes = list(given) + [1] * (len(MESH_AXES) - len(given))
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: at most one axis may be -1")
     for name, size in zip(MESH_AXES, sizes):
@@ -78,10 +99,11 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, sequence: int, num_dev
     return tuple(sizes)
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, sequence: int = 1, devices=None) -> Mesh:
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, sequence: int = 1, expert: int = 1,
+              devices=None) -> Mesh:
     """A mesh with MESH_AXES over all devices (all hosts), laid out for the topology."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(data, fsdp, tensor, sequence, len(devices))
+    shape = resolve_mesh_shape(data, fsdp, tensor, sequence, expert, len(devices))
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
@@ -121,7 +143,7 @@ def tree_shardings(shapes, axes, mesh: Mesh, rules=LOGICAL_RULES):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Leading (batch) dimension over (data, fsdp); the rest replicated."""
+    """Leading (batch) dimension over (data, fsdp, expert); the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
@@ -143,8 +165,14 @@ def describe_layout(tree) -> dict[str, str]:
 
 
 def batch_divisor(mesh: Mesh) -> int:
-    """The devices a batch's rows are split over (data * fsdp)."""
-    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    """The devices a batch's rows are split over (data * fsdp * expert; an axis the mesh
+    lacks counts 1)."""
+    return int(np.prod([dict(mesh.shape).get(a, 1) for a in BATCH_AXES]))
+
+
+def expert_shards(mesh) -> int:
+    """The devices a mixture-of-experts layer's experts are split over (1 on a mesh without the axis)."""
+    return int(dict(mesh.shape).get(EXPERT_AXIS, 1))
 
 
 def sequence_shards(mesh) -> int:

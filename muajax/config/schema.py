@@ -125,12 +125,16 @@ class ModelConfig:
 class MeshConfig:
     """Device-mesh axis sizes, one field per `parallel.MESH_AXES` entry; one of them may be
     -1, meaning "all remaining devices". `sequence` > 1 splits each row's positions over
-    that many devices (context parallelism, for rows too long for one device)."""
+    that many devices (context parallelism, for rows too long for one device); `expert` > 1
+    splits a mixture-of-experts model's experts (and, elsewhere, the batch)."""
 
     data: int = 1  # data parallelism with replicated weights
     fsdp: int = -1  # data parallelism with weights and optimizer state sharded (ZeRO-3 style)
     tensor: int = 1  # tensor parallelism over heads, MLP width and vocabulary
     sequence: int = 1  # context parallelism: each row's positions split over this many devices
+    # expert parallelism (mixture-of-experts models): experts split over this many devices, tokens
+    # sent to them by all-to-all; outside the experts it splits the batch like data
+    expert: int = 1
     # The slice the run is sized for (v5p-128, v6e-64, v5p:4x4x4, or h100:8 for a GPU node):
     # what `python -m muajax.plan --config` compiles for. The trainer uses the devices it finds.
     topology: str | None = None

@@ -13,6 +13,7 @@ the median step compiles nothing) and of `perf/update_s` (compiles excluded).
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -33,12 +34,12 @@ def engine_shards(plan, rollout: RolloutConfig, hosts: int) -> int:
     the training mesh's on a CPU, else `rollout.mesh` or the default tensor-parallel layout."""
     per_host = max(plan.devices // hosts, 1)
     if rollout.mesh is None and plan.chip is None:
-        return max(plan.mesh.get("data", 1) * plan.mesh.get("fsdp", 1) // hosts, 1)
+        return max(math.prod(plan.mesh.get(a, 1) for a in parallel.BATCH_AXES) // hosts, 1)
     if rollout.mesh is None:
-        data, fsdp, _, _ = default_shape(plan.compiler, per_host, plan.cfg)
+        data, fsdp, *_ = default_shape(plan.compiler, per_host, plan.cfg)
         return data * fsdp
     m = rollout.mesh
-    data, fsdp, _, _ = parallel.resolve_mesh_shape(m.data, m.fsdp, m.tensor, 1, per_host)
+    data, fsdp, *_ = parallel.resolve_mesh_shape(m.data, m.fsdp, m.tensor, 1, per_host)
     return data * fsdp
 
 

@@ -57,7 +57,7 @@ def engine_mesh(config: RolloutMeshConfig | None, train_mesh: Mesh, cfg: Qwen3Co
     if config is None and platform == "cpu":
         return distributed.local_mesh(train_mesh, devices) if multiprocess else train_mesh
     if config is None:
-        shape = default_shape(platform, len(devices), cfg)
+        shape = parallel.resolve_mesh_shape(*default_shape(platform, len(devices), cfg), len(devices))
     else:
         # decode runs no sequence axis: each conversation's rows stay on its devices
         shape = parallel.resolve_mesh_shape(config.data, config.fsdp, config.tensor, 1, len(devices))

@@ -174,16 +174,29 @@ def test_variants_are_value_sets():
 
 
 def test_mesh_resolve():
-    assert C.MeshConfig().resolve(8) == (1, 8, 1, 1)
-    assert C.MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 2, 1)
-    assert C.MeshConfig(data=2, fsdp=4, tensor=1).resolve(8) == (2, 4, 1, 1)
-    assert C.MeshConfig(fsdp=-1, sequence=4).resolve(8) == (1, 2, 1, 4)
-    with pytest.raises(ConfigError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1, 'sequence': 1\} has 4 devices "):
+    assert C.MeshConfig().resolve(8) == (1, 8, 1, 1, 1)
+    assert C.MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 2, 1, 1)
+    assert C.MeshConfig(data=2, fsdp=4, tensor=1).resolve(8) == (2, 4, 1, 1, 1)
+    assert C.MeshConfig(fsdp=-1, sequence=4).resolve(8) == (1, 2, 1, 4, 1)
+    assert C.MeshConfig(fsdp=-1, tensor=2, expert=2).resolve(8) == (1, 2, 2, 1, 2)
+    assert C.MeshConfig(fsdp=2, expert=-1).resolve(8) == (1, 2, 1, 1, 4)
+    with pytest.raises(ConfigError, match=r"mesh \{'data': 2, 'fsdp': 2, 'tensor': 1, 'sequence': 1, 'expert': 1\} "
+                                          "has 4 devices "):
         C.MeshConfig(data=2, fsdp=2, tensor=1).resolve(8)
     with pytest.raises(ConfigError, match="8 devices are not divisible by 3"):
         C.MeshConfig(data=3, fsdp=-1, tensor=1).resolve(8)
     with pytest.raises(ConfigError, match="mesh.sequence.*at most one axis may be -1"):
         load_config(None, ["mesh.sequence=-1"])
+    with pytest.raises(ConfigError, match="mesh.expert.*at most one axis may be -1"):
+        load_config(None, ["mesh.expert=-1"])
+
+
+def test_resolve_mesh_shape_pads_the_axes_left_out():
+    # callers naming (data, fsdp, tensor, sequence) by position keep working: expert is 1
+    assert parallel.resolve_mesh_shape(2, -1, 1, 1, 8) == (2, 4, 1, 1, 1)
+    assert parallel.resolve_mesh_shape(1, 2, 1, 1, 4, 8) == (1, 2, 1, 1, 4)
+    with pytest.raises(TypeError, match="1 to 5 sizes"):
+        parallel.resolve_mesh_shape(1, 1, 1, 1, 1, 1, 8)
 
 
 def test_mesh_config_has_one_field_per_mesh_axis():

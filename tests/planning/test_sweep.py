@@ -26,9 +26,9 @@ def test_mesh_candidates_cover_every_factorization():
     assert len(meshes) == 6 and all(list(m) == list(axes) for m in meshes)
     assert {tuple(m.values()) for m in meshes} == {(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)}
     assert len(mesh_candidates(32, axes)) == 21
-    # the default: every axis of parallel.MESH_AXES (2^k over 4 axes: C(k + 3, 3) ways)
-    assert len(parallel.MESH_AXES) == 4 and all(list(m) == list(parallel.MESH_AXES) for m in mesh_candidates(4))
-    assert len(mesh_candidates(4)) == 10 and len(mesh_candidates(32)) == 56
+    # the default: every axis of parallel.MESH_AXES (2^k over 5 axes: C(k + 4, 4) ways)
+    assert len(parallel.MESH_AXES) == 5 and all(list(m) == list(parallel.MESH_AXES) for m in mesh_candidates(4))
+    assert len(mesh_candidates(4)) == 15 and len(mesh_candidates(32)) == 126
     assert mesh_candidates(6, ("a", "b")) == [{"a": 1, "b": 6}, {"a": 2, "b": 3}, {"a": 3, "b": 2}, {"a": 6, "b": 1}]
 
 

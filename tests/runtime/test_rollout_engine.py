@@ -28,13 +28,13 @@ def test_default_engine_mesh_on_a_tpu_host_is_tensor_parallel_over_the_kv_heads(
     devices = tpu_devices(parse_topology("v5p:2x2x1"))  # one host, 4 chips
     train = parallel.make_mesh(1, -1, 1, devices=devices)
     mesh = engine_mesh(None, train, CFG, devices=devices, multiprocess=False)
-    assert shape(mesh) == {"data": 1, "fsdp": 1, "tensor": 4, "sequence": 1}
+    assert shape(mesh) == {"data": 1, "fsdp": 1, "tensor": 4, "sequence": 1, "expert": 1}
     two_heads = CFG.replace(num_kv_heads=2)
     mesh = engine_mesh(None, train, two_heads, devices=devices, multiprocess=False)
-    assert shape(mesh) == {"data": 2, "fsdp": 1, "tensor": 2, "sequence": 1}  # data parallel over the rest
+    assert shape(mesh) == {"data": 2, "fsdp": 1, "tensor": 2, "sequence": 1, "expert": 1}  # data parallel over the rest
     # rollout.mesh: any layout of the host's devices (-1: the rest), never a sequence axis
     mesh = engine_mesh(RolloutMeshConfig(data=2, tensor=-1), train, CFG, devices=devices, multiprocess=False)
-    assert shape(mesh) == {"data": 2, "fsdp": 1, "tensor": 2, "sequence": 1}
+    assert shape(mesh) == {"data": 2, "fsdp": 1, "tensor": 2, "sequence": 1, "expert": 1}
     # the training mesh's own shape: the engine shares it
     assert engine_mesh(RolloutMeshConfig(fsdp=4, tensor=1), train, CFG, devices=devices, multiprocess=False) is train
 

@@ -23,7 +23,7 @@ CFG = TINY_CONFIG.replace(vocab_size=1024, hidden_size=256, intermediate_size=51
 def main(topology: str) -> None:
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     # two data-parallel shards of pages, kv heads split over tensor=2
-    mesh = Mesh(np.array(devices).reshape(1, len(devices) // 2, 2, 1), parallel.MESH_AXES,
+    mesh = Mesh(np.array(devices).reshape(1, len(devices) // 2, 2, 1, 1), parallel.MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(parallel.MESH_AXES))
     out = {}
     for pool_tokens, tiled in ((64 * 1024, False), (128 * 1024, False), (64 * 1024, True)):
