@@ -58,9 +58,6 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
-    # mixture of experts (muajax.models.moe_layer): the experts' axis and each expert's MLP width
-    ("exp", None),
-    ("moe_mlp", "tensor"),
     # mixture-of-experts weights [E, D, F]: experts over the expert axis, F like the MLP's
     ("exp", EXPERT_AXIS),
     ("moe_mlp", "tensor"),
