@@ -6,7 +6,9 @@ remat's recomputation and the einsum attention's masked upper triangle are exclu
 `causal=True` a query attends to itself and the keys before it, (T+1)/2 keys on average;
 `causal=False` counts every (query, key) pair, which is what the einsum attention computes.
 A packed row (SFT) is counted as one causal sequence, a little more attention than its
-segments need.
+segments need. A mixture of experts (`cfg.is_moe`) counts what one token computes: the
+router's matmul and its `num_experts_per_tok` experts (`Qwen3Config.num_params(active=True)`),
+never the experts it is not routed to (`muajax.models.moe.grouped_experts` computes none).
 
 `executed_step_flops` counts what a train step's program executes instead: the backward's
 recomputation (remat, the chunked LM head, the flash kernels' rebuilt scores) and the
@@ -22,10 +24,32 @@ from muajax.models.splash_attention import SPLASH_BLOCK, SPLASH_LANES
 
 
 def matmul_params(cfg: Qwen3Config) -> int:
-    """Weights used in matmuls: all but the norms and the embedding lookup (a tied head is a matmul)."""
+    """Weights one token's matmuls use: all but the norms and the embedding lookup (a tied
+    head is a matmul); of a mixture of experts, the router and the token's active experts."""
     norms = cfg.num_layers * (2 * cfg.hidden_size + 2 * cfg.head_dim) + cfg.hidden_size
     lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-    return cfg.num_params() - norms - lookup
+    return cfg.num_params(active=True) - norms - lookup
+
+
+def expert_params(cfg: Qwen3Config) -> int:
+    """All the experts' weights (every layer's gate, up and down of every expert); 0 dense."""
+    return cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size if cfg.is_moe else 0
+
+
+def experts_touched(cfg: Qwen3Config, tokens: float) -> float:
+    """The expected share of a layer's experts that `tokens` tokens are routed to (each token
+    to num_experts_per_tok distinct experts, routing taken as uniform): what a call reads of
+    the experts' weights. 1 for a dense model, or once the tokens reach every expert."""
+    if not cfg.is_moe or tokens <= 0:
+        return 1.0 if not cfg.is_moe else 0.0
+    return 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens
+
+
+def down_projection_flops(cfg: Qwen3Config) -> float:
+    """FLOPs per token of every layer's MLP down projection (a token's active experts' downs)."""
+    if cfg.is_moe:
+        return 2.0 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok * cfg.num_layers
+    return 2.0 * cfg.hidden_size * cfg.intermediate_size * cfg.num_layers
 
 
 def attention_pairs(seq: int, keys: int | None = None, causal: bool = True) -> float:
@@ -153,8 +177,9 @@ def executed_step_parts(cfg: Qwen3Config, batch: int, seq: int, *, reference: bo
     """The matmul FLOPs a train step executes, by part (see `executed_step_flops`)."""
     layers, pairs_unit = 2.0 * (matmul_params(cfg) - head_params(cfg)), 2.0 * cfg.head_dim * cfg.num_heads
     # "full" runs the layers' forward again for what the backward reads: all but the MLP's
-    # down projection, whose output only feeds the layer's output (XLA drops it)
-    rerun = layers - 2.0 * cfg.hidden_size * cfg.intermediate_size * cfg.num_layers
+    # down projection, whose output only feeds the layer's output (XLA drops it); an
+    # expert's down output is read back (the routing weights' gradient), so it runs again
+    rerun = layers - (0.0 if cfg.is_moe else down_projection_flops(cfg))
     parts = dict.fromkeys(("forward", "backward", "recompute", "reference"), 0.0)
     for rows, tokens, pairs, impl, runs in _segments(cfg, batch, seq, shared_prefix, microbatches, platform):
         work = ATTENTION_WORK[impl]

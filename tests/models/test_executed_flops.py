@@ -94,3 +94,15 @@ def test_a_shared_prefix_runs_once_per_microbatch_in_the_cache_form():
     assert rows["recompute"] == pytest.approx(prefix_proj + rest_proj - down + 2 * (prefix_attn + rest_attn))
     with pytest.raises(ValueError, match="shared prefix"):
         executed_step_flops(cfg, B, T, shared_prefix=T)
+
+
+def test_a_mixture_of_experts_runs_its_experts_downs_again_under_full_remat():
+    # the routing weights' gradient reads each expert's down output: "full" recomputes it
+    moe = CFG.replace(remat="full", attention="splash", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=6)
+    proj = 2 * LAYERS * (D * HD * (2 * N + 2 * KV) + D * 8 + 2 * 3 * D * 6) * B * T  # router + 2 active experts
+    attn = one_matmul(SPLASH)
+    parts = executed_step_parts(moe, B, T, platform="tpu")
+    assert parts["forward"] == pytest.approx(proj + 2 * attn + HEAD)
+    assert parts["backward"] == pytest.approx(2 * proj + 7 * attn + 2 * HEAD)
+    assert parts["recompute"] == pytest.approx(proj + 2 * attn)  # the whole layer, downs included

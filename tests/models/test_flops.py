@@ -2,6 +2,9 @@ import pytest
 
 from muajax.models.flops import (
     attention_pairs,
+    down_projection_flops,
+    expert_params,
+    experts_touched,
     forward_flops,
     matmul_params,
     train_step_flops,
@@ -44,3 +47,31 @@ def test_a_shared_prefix_runs_once_per_microbatch():
     assert train_step_flops(CFG, b, t, shared_prefix=p, microbatches=2, reference=True) == pytest.approx(4 * twice)
     with pytest.raises(ValueError, match="shared prefix"):
         forward_flops(CFG, b, t, shared_prefix=t)
+
+
+MOE = CFG.replace(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=6)
+
+
+def test_a_mixture_of_experts_counts_the_router_and_the_active_experts_only():
+    d, fe, e, active, n, k, h, v, layers = 8, 6, 8, 2, 4, 2, 4, 100, 2
+    attn_weights = d * h * (2 * n + 2 * k)
+    per_token = layers * (attn_weights + d * e + active * 3 * d * fe) + d * v  # router + 2 experts, not 8
+    assert matmul_params(MOE) == per_token
+    assert expert_params(MOE) == layers * e * 3 * d * fe
+    t, b = 6, 3
+    attn = 4 * layers * n * h * (t * (t + 1) / 2)  # attention as the dense model's
+    assert forward_flops(MOE, b, t) == pytest.approx(b * (2 * per_token * t + attn))
+    # more experts at the same active count: the same FLOPs, more weights
+    wider = MOE.replace(num_experts=64)
+    assert forward_flops(wider, b, t) - forward_flops(MOE, b, t) == pytest.approx(b * t * 2 * layers * d * (64 - 8))
+    assert expert_params(wider) == 8 * expert_params(MOE)
+    assert train_step_flops(MOE, b, t) == pytest.approx(3 * forward_flops(MOE, b, t))
+
+
+def test_experts_touched_by_a_call():
+    assert experts_touched(CFG, 1) == 1.0                      # dense: the whole MLP every call
+    assert experts_touched(MOE, 1) == pytest.approx(2 / 8)     # one token reads its 2 of 8 experts
+    assert experts_touched(MOE, 2) == pytest.approx(1 - (6 / 8) ** 2)
+    assert experts_touched(MOE, 10_000) == pytest.approx(1.0)  # a big call reads them all
+    assert down_projection_flops(MOE) == 2 * 8 * 6 * 2 * 2
+    assert down_projection_flops(CFG) == 2 * 8 * 16 * 2
