@@ -59,7 +59,7 @@ def config(tmp_path):
 def test_plan_on_a_v5p_slice():
     out, proc = run_plan([*SMALL, "--topology", "v5p-8", "--mesh", "fsdp=2,tensor=2"])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["chip"] == "v5p" and out["fits"] is True
-    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1}
+    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1, "expert": 1}
     assert [p["name"] for p in out["phases"]] == ["sync", "rollout", "update"]  # the engine's bf16 copy is synced
     for phase in out["phases"]:
         assert phase["total"] == sum(part["bytes"] for part in phase["parts"])
@@ -86,7 +86,7 @@ def test_flag_defaults_take_the_least_memory_a_step_can():
 def test_plan_a_run_config_as_the_trainer_runs_it(config):
     out, proc = run_plan(["--config", config])
     assert out["compiler"] == "tpu" and out["devices"] == 4 and out["topology"] == "v5p:2x2x1" and out["fits"] is True
-    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1} and out["remat"] == "full"
+    assert out["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1, "expert": 1} and out["remat"] == "full"
     assert [p["name"] for p in out["phases"]] == ["sync", "rollout", "update", "sft"]  # the config's stages
     # 2 x 4 rollouts in microbatches of 4; SFT's 8 rows likewise; the engine: every rollout, max_context
     shape = {kind: {k: rows[k] for k in ("batch", "microbatches", "padded")} for kind, rows in out["rows"].items()}
@@ -158,14 +158,14 @@ def test_fake_cpu_mesh_reexecs_and_judges_against_a_chip():
     # judged against the share of the card the trainer lets jax take (run.gpu_memory_fraction's default)
     assert out["hbm_bytes"] == 72 * 10**9 and out["gpu_memory_fraction"] == 0.9
     assert "judged against 0.9 x h100's 80 GB = 72.0 GB" in proc.stdout
-    assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 1}  # default: fsdp over every device
+    assert out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "sequence": 1, "expert": 1}  # default: fsdp over every device
 
 
 def test_argument_parsing():
     assert parse_bytes("95GiB") == 95 * 2**30 and parse_bytes("16GB") == 16 * 10**9 and parse_bytes("1e9") == 10**9
-    assert parse_mesh("data=1,fsdp=16,tensor=4") == {"data": 1, "fsdp": 16, "tensor": 4, "sequence": 1}
-    assert parse_mesh("tensor=2") == {"data": 1, "fsdp": 1, "tensor": 2, "sequence": 1}
-    assert parse_mesh("fsdp=-1,tensor=2") == {"data": 1, "fsdp": -1, "tensor": 2, "sequence": 1}
+    assert parse_mesh("data=1,fsdp=16,tensor=4") == {"data": 1, "fsdp": 16, "tensor": 4, "sequence": 1, "expert": 1}
+    assert parse_mesh("tensor=2") == {"data": 1, "fsdp": 1, "tensor": 2, "sequence": 1, "expert": 1}
+    assert parse_mesh("fsdp=-1,tensor=2") == {"data": 1, "fsdp": -1, "tensor": 2, "sequence": 1, "expert": 1}
     with pytest.raises(argparse.ArgumentTypeError, match="memory size"):
         parse_bytes("lots")
     with pytest.raises(argparse.ArgumentTypeError, match="data=N"):
