@@ -220,11 +220,13 @@ class HloSummary:
 
 
 def _custom_calls(comp, shapes: dict[str, str], times: float, kernels: dict[str, KernelCount],
-                  uncounted: dict[str, float]) -> set[str]:
+                  uncounted: dict[str, float]) -> tuple[set[str], list[float]]:
     """Count the computation's custom calls (`times` runs each) into `kernels` or
-    `uncounted`; returns the names of the instructions costed as kernels. XLA's cost
-    analysis gives a custom call neither FLOPs nor bytes, so a kernel's whole cost is added."""
-    costed = set()
+    `uncounted`; returns the names of the instructions costed as kernels and what XLA's own
+    cost analysis already counts of them (FLOPs, bytes). XLA gives a Pallas kernel neither
+    FLOPs nor bytes, so its whole cost is added; a kernel with a cost_estimate XLA reads
+    (`KernelCost.xla_counted`: the ragged dot) it counts once, the runs beyond it are added."""
+    costed, counted = set(), [0.0, 0.0]
     for instr in comp.instructions.values():
         if instr.opcode != "custom-call":
             continue
@@ -239,7 +241,10 @@ def _custom_calls(comp, shapes: dict[str, str], times: float, kernels: dict[str,
         entry.flops += times * cost.flops
         entry.bytes += times * cost.bytes
         costed.add(instr.name)
-    return costed
+        if cost.xla_counted:
+            counted[0] += cost.flops
+            counted[1] += cost.bytes
+    return costed, counted
 
 
 def analyze(text: str, unknown_trips: int = 1) -> HloSummary:
@@ -257,7 +262,9 @@ def analyze(text: str, unknown_trips: int = 1) -> HloSummary:
         flops = sum(instruction_flops(i, shapes) for i in comp.instructions.values())
         matmul += times * flops
         extra_flops += (times - 1) * flops
-        costed = _custom_calls(comp, shapes, times, kernels, uncounted)
+        costed, counted = _custom_calls(comp, shapes, times, kernels, uncounted)
+        extra_flops -= counted[0]  # XLA's own totals hold one run of these
+        extra_bytes -= counted[1]
         if name not in fused:
             extra_bytes += (times - 1) * sum(instruction_bytes(module, i, shapes) for i in comp.instructions.values()
                                              if i.name not in costed)

@@ -33,6 +33,16 @@ its operand shapes with the kernel's own loop structure:
   sizes: the engine's (`muajax.engine.paged_attention.DEFAULT_BLOCKS`), which the call's
   text does not carry.
 
+  ragged dot (`jax.lax.ragged_dot`, the mixture of experts' grouped matmuls,
+  `muajax.models.moe`): XLA:TPU lowers it to its own Mosaic kernel, `ragged-dot-*` (with a
+  `ragged-dot-metadata` call that only counts the groups' tiles), and gives it a
+  `cost_estimate` in its backend_config that XLA's cost analysis does count, once per
+  computation like any instruction: FLOPs of the rows' own groups only (2 x rows x K x N),
+  bytes of its operands (every group's weights) and result. That estimate is the cost,
+  and since XLA counted one run, the caller adds only the runs beyond it
+  (`KernelCost.xla_counted`). (Its weight gradient is no such kernel: XLA:TPU expands it to
+  a convolution over every group, which the dot count sees as it is.)
+
 XLA:TPU's own bookkeeping calls (`XLA_BOOKKEEPING`: buffer allocation, index annotations,
 async-call markers)
 run no matmuls and are left to XLA's counts. Any other custom call is returned as
@@ -53,12 +63,14 @@ from muajax.planning.hlo import Instruction, array_sizes, dims_of
 SPLASH_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}  # per (q block, kv block) pair; dkv +1 fused
 SPLASH_NAME = re.compile(r"splash_(mha|mqa)_(fwd|dq|dkv)(_segmented)?_(no_)?residuals")
 RAGGED_NAME = "ragged_paged_attention_kernel"
+RAGGED_DOT = re.compile(r"ragged-dot(-[a-z]+)?")  # XLA:TPU's ragged_dot kernel and its metadata call
+_COST_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 _BODY = re.compile(r'"body":"([A-Za-z0-9+/=]+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # PrepareAsyncCallStart/Done: the operand-less markers v5p's SparseCore scatter offload
 # (the packed GRPO rows' scatter-adds) is started and joined with; the scatter is XLA's own.
 XLA_BOOKKEEPING = frozenset({"AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked",
-                             "PrepareAsyncCallStart", "PrepareAsyncCallDone"})
+                             "PrepareAsyncCallStart", "PrepareAsyncCallDone", "ragged-dot-metadata"})
 _INTS = ("s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "pred")
 
 
@@ -67,6 +79,7 @@ class KernelCost:
     name: str     # the kernel, e.g. splash_mha_fwd_residuals
     flops: float  # per call
     bytes: float  # HBM bytes read and written per call
+    xla_counted: bool = False  # XLA's cost analysis already counts one run (its cost_estimate)
 
 
 def target_of(instr: Instruction) -> str:
@@ -219,6 +232,14 @@ def _ragged(name: str, instr: Instruction, shapes: dict[str, str]) -> KernelCost
     return KernelCost(name, flops, q_bytes + sum(array_sizes(instr.shape)) + kv_blocks * per_block * page_bytes)
 
 
+def _ragged_dot(name: str, instr: Instruction) -> KernelCost | None:
+    """XLA:TPU's ragged-dot kernel at its own cost_estimate (the metadata call: none, 0)."""
+    m = _COST_ESTIMATE.search(instr.attrs)
+    if m is None:
+        return KernelCost(name, 0.0, 0.0, xla_counted=True) if name == "ragged-dot-metadata" else None
+    return KernelCost(name, float(m.group(1)), float(m.group(2)), xla_counted=True)
+
+
 def custom_call_cost(instr: Instruction, shapes: dict[str, str]) -> tuple[str, KernelCost | None]:
     """(name, cost) of a custom call: its kernel name and cost, or None when unrecognised
     (an XLA bookkeeping call: its target and a cost of nothing)."""
@@ -232,4 +253,6 @@ def custom_call_cost(instr: Instruction, shapes: dict[str, str]) -> tuple[str, K
         return name, _splash(name, instr, shapes)
     if name == RAGGED_NAME:
         return name, _ragged(name, instr, shapes)
+    if RAGGED_DOT.fullmatch(name):
+        return name, _ragged_dot(name, instr)
     return name, None

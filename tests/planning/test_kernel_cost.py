@@ -120,3 +120,28 @@ def test_ragged_paged_attention_at_real_lengths():
     bound, kv_blocks = kernel_cost.ragged_paged_bound(tokens=64, seqs=3, pages_per_seq=64, page_size=16, heads=8,
                                                       head_dim=128, queries_per_block=32, pages_per_block=16)
     assert kv_blocks == (2 + 3 - 1) * 4 and bound == kv_blocks * per_block and bound >= got
+
+
+@NEEDS_LIBTPU
+def test_a_ragged_dot_in_a_scan_counts_its_own_groups_every_run(one_device):
+    # the mixture of experts' grouped matmul: XLA:TPU's ragged-dot kernel, FLOPs of each row's
+    # own group (not all 16), which XLA's cost analysis counts once; the scan runs it 3 times
+    rows, d, f, groups, layers = 256, 128, 256, 16, 3
+
+    def experts(x, w, sizes):
+        step = lambda h, wl: (jax.lax.ragged_dot(h, wl, sizes)[:, :d], None)
+        return jax.lax.scan(step, x, w)[0]
+
+    s = NamedSharding(one_device, PartitionSpec())
+    args = (jax.ShapeDtypeStruct((rows, d), jnp.bfloat16, sharding=s),
+            jax.ShapeDtypeStruct((layers, groups, d, f), jnp.bfloat16, sharding=s),
+            jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=s))
+    cost = compile_program(AbstractProgram("moe", lambda: jax.jit(experts).lower(*args)), platform="tpu")
+    one = 2 * rows * d * f
+    assert cost.xla_flops == one  # one run, by its cost_estimate
+    (kernel,) = cost.kernels      # the metadata call is bookkeeping
+    assert kernel["name"] == "ragged-dot-none" and kernel["calls"] == layers and kernel["flops"] == layers * one
+    assert cost.flops == layers * one and cost.uncounted == {}
+    # its bytes: every group's weights read, each run
+    assert kernel["bytes"] >= layers * groups * d * f * 2
+    assert cost.bytes_accessed >= kernel["bytes"]
