@@ -70,8 +70,15 @@ def forward(
     segment_ids: jax.Array | None = None,
     attention: str | None = None,
     live_tiles: jax.Array | None = None,
+    routing: jax.Array | None = None,
+    return_routing: bool = False,
 ):
-    """Run the model. Returns (logits [B, T or P, V], new cache or None).
+    """Run the model. Returns (logits [B, T or P, V], new cache or None), and with
+    `return_routing` a third item, a mixture of experts' `muajax.models.moe.RoutingOut`
+    (None for a dense model): the experts each token used per layer [L, B, T, k] and the
+    load-balancing terms (`moe.load_balancing_loss(out.fraction, out.mean_prob)`).
+    `routing` [L, B, T, k] int32: the experts to use instead of the routers' choice
+    (routing replay; e.g. a previous call's `RoutingOut.experts`).
 
     Without a cache: a causal forward over `tokens` [B, T] (right padding is harmless;
     `attention_mask` hides padded keys when left padding is used). Packed rows pass
@@ -104,17 +111,19 @@ def forward(
             positions = packed_positions(segment_ids)
         elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        ctx = _no_cache_context(cfg, positions, attention_mask, segment_ids)
-        out, _ = model.apply({"params": params}, tokens, ctx, None, logits_index, return_hidden)
-        return out, None
+        ctx = _no_cache_context(cfg, positions, attention_mask, segment_ids)._replace(routing=routing)
+        out, _, *moe = model.apply({"params": params}, tokens, ctx, None, logits_index, return_hidden,
+                                   return_routing=return_routing)
+        return (out, None, *moe)
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
-    ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)._replace(live_tiles=live_tiles)
+    ctx = _cache_context(cfg, cache, num_new.astype(jnp.int32), t)._replace(live_tiles=live_tiles, routing=routing)
     if cache.per_layer and layer_params is None:
         layer_params = split_layers(params, cfg.num_layers)
-    out, (k, v) = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index, return_hidden,
-                              in_place, layer_params if cache.per_layer else None)
-    return out, KVCache(k, v, cache.lengths + num_new.astype(jnp.int32))
+    out, (k, v), *moe = model.apply({"params": params}, tokens, ctx, (cache.k, cache.v), logits_index,
+                                    return_hidden, in_place, layer_params if cache.per_layer else None,
+                                    return_routing=return_routing)
+    return (out, KVCache(k, v, cache.lengths + num_new.astype(jnp.int32)), *moe)
 
 
 def split_layers(params, num_layers: int) -> list:
@@ -170,4 +179,4 @@ def param_bytes(params) -> int:
     return int(sum(np.prod(p.shape) * jnp.dtype(p.dtype).itemsize for p in jax.tree.leaves(params)))
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden", "in_place", "attention"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "return_hidden", "in_place", "attention", "return_routing"))

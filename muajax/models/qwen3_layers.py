@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from muajax.models.attention import attention
 from muajax.models.context_parallel import sequence_split
+from muajax.models.moe_layer import declare_moe, empty_routing, layer_slice, moe_mlp, token_valid
 from muajax.models.qwen3_config import Qwen3Config
 from muajax.models.token_tiles import tiled_layer
 
@@ -59,6 +60,8 @@ class AttentionContext(NamedTuple):
     pages: whatever a `cache_attention` hook reads (e.g. a paged cache's page tables); None otherwise.
     live_tiles: with `cfg.token_tiles`, the tiles per shard that hold tokens (int32 scalar);
         the others are not computed (see `tiled_layer`).
+    routing [L, B, T, k] int32: mixture of experts only, each token's experts per layer to use
+        instead of the router's choice (routing replay; see `muajax.models.moe_layer`).
     """
 
     q_index: jax.Array | None
@@ -69,6 +72,7 @@ class AttentionContext(NamedTuple):
     segment_ids: jax.Array | None = None
     pages: Any = None
     live_tiles: jax.Array | None = None
+    routing: jax.Array | None = None
 
 
 def declare_param(module: nn.Module, name: str, shape, axes, init):
@@ -89,10 +93,14 @@ class LayerCarry(NamedTuple):
 class DecoderLayer(nn.Module):
     """`cache_attention`, if set, replaces the cache write and the attention: called as
     `(q [B,T,N,H], k, v [B,T,K,H], cache, layer index, ctx) -> (out [B,T,N,H], cache)` with the
-    cache carried through the layers (`in_place`); a paged cache (muajax.engine) plugs in here."""
+    cache carried through the layers (`in_place`); a paged cache (muajax.engine) plugs in here.
+
+    Returns (carry, (new layer cache or None, routing)): `routing` is the layer's
+    `moe_layer.LayerRouting` when `return_routing` is set on a mixture of experts, else None."""
 
     cfg: Qwen3Config
     cache_attention: Any = None
+    return_routing: bool = False
 
     @nn.compact
     def __call__(self, carry: LayerCarry, layer_cache: tuple[jax.Array, jax.Array] | None, ctx: AttentionContext):
@@ -113,9 +121,13 @@ class DecoderLayer(nn.Module):
         q_norm = declare_param(self, "q_norm", (h,), ("head_dim",), ones)
         k_norm = declare_param(self, "k_norm", (h,), ("head_dim",), ones)
         mlp_norm = declare_param(self, "mlp_norm", (d,), ("norm",), ones)
-        w_gate = declare_param(self, "w_gate", (d, f), ("embed", "mlp"), dense)
-        w_up = declare_param(self, "w_up", (d, f), ("embed", "mlp"), dense)
-        w_down = declare_param(self, "w_down", (f, d), ("mlp", "embed"), dense)
+        if cfg.is_moe:  # the experts and their router (muajax.models.moe_layer)
+            experts = declare_moe(self)
+            ctx = ctx._replace(routing=layer_slice(ctx.routing, carry.layer))  # [B, T, k] from here on
+        else:
+            w_gate = declare_param(self, "w_gate", (d, f), ("embed", "mlp"), dense)
+            w_up = declare_param(self, "w_up", (d, f), ("embed", "mlp"), dense)
+            w_down = declare_param(self, "w_down", (f, d), ("mlp", "embed"), dense)
 
         # Projections run on the tokens as one [B*T, ...] axis (a free reshape): with B and T
         # as two dims, each weight gradient contracts over both, and XLA:CPU transposes the
@@ -140,40 +152,56 @@ class DecoderLayer(nn.Module):
             q = apply_rope(rms_norm(q, q_norm, cfg.rms_norm_eps), cos, sin)
             return q, apply_rope(rms_norm(kk, k_norm, cfg.rms_norm_eps), cos, sin), vv
 
-        def post_attention(x, attn):
+        def post_attention(x, attn, sub):
+            """-> (x, routing): `sub` is the context of these rows (a tile's under token tiles)."""
             b, t = x.shape[:2]
             x = x + project(attn.reshape(*((b * t,) if flat else (b, t)), n * h), wo).reshape(b, t, d)
             x = constrain(x, ("activation_batch", "activation_length", "activation_embed"))
             y = tokens(rms_norm(x, mlp_norm, cfg.rms_norm_eps))
-            hidden = nn.silu(project(y, w_gate)) * project(y, w_up)
-            hidden = constrain(hidden, (*row_axes, "activation_mlp"))
-            x = x + project(hidden, w_down).reshape(b, t, d)
-            return constrain(x, ("activation_batch", "activation_length", "activation_embed"))
+            routing = None
+            if cfg.is_moe:
+                out, routing = moe_mlp(y, experts, cfg, b, t, sub.routing, token_valid(sub, b, t),
+                                       self.return_routing)
+            else:
+                hidden = nn.silu(project(y, w_gate)) * project(y, w_up)
+                out = project(constrain(hidden, (*row_axes, "activation_mlp")), w_down)
+            x = x + out.reshape(b, t, d)
+            return constrain(x, ("activation_batch", "activation_length", "activation_embed")), routing
 
+        want_routing = cfg.is_moe and self.return_routing
         if cfg.token_tiles:  # the layer one tile at a time (token_tiles.py)
             rope = lambda q_index: rope_tables(q_index, h, cfg.rope_theta, dt)
-            x, stacked = tiled_layer(cfg.token_tiles, rope, pre_attention, post_attention, self.cache_attention, x,
-                                     stacked, carry.layer, ctx)
-            return LayerCarry(x, stacked, carry.layer + 1), None
+            extra = empty_routing(cfg, *x.shape[:2]) if want_routing else None
+            x, stacked, routing = tiled_layer(cfg.token_tiles, rope, pre_attention, post_attention,
+                                              self.cache_attention, x, stacked, carry.layer, ctx, extra)
+            return LayerCarry(x, stacked, carry.layer + 1), (None, routing)
         q, kk, vv = pre_attention(x, ctx.cos, ctx.sin)
-
         new_cache = None
         if self.cache_attention is not None:
             attn, stacked = self.cache_attention(q, kk, vv, stacked, carry.layer, ctx)
-        elif stacked is not None:
-            stacked = _write_stacked(stacked, carry.layer, kk, vv, ctx.write_index)
-            keys, values = (jax.lax.dynamic_index_in_dim(c, carry.layer, 0, keepdims=False).astype(dt)
-                            for c in stacked)
-        elif layer_cache is not None:
-            keys, values = _write_cache(layer_cache, kk, vv, ctx.write_index)
-            new_cache = (keys, values)
-            keys, values = keys.astype(dt), values.astype(dt)
         else:
-            keys, values = kk.transpose(0, 2, 1, 3), vv.transpose(0, 2, 1, 3)
-        if self.cache_attention is None:
-            attn = attention(q, keys, values, implementation=cfg.attention, segment_ids=ctx.segment_ids,
-                             q_index=ctx.q_index, kv_valid=ctx.kv_valid)
-        return LayerCarry(post_attention(x, attn), stacked, carry.layer + 1), new_cache
+            attn, stacked, new_cache = _attend(cfg, q, kk, vv, stacked, layer_cache, carry.layer, ctx)
+        x, routing = post_attention(x, attn, ctx)
+        return LayerCarry(x, stacked, carry.layer + 1), (new_cache, routing)
+
+
+def _attend(cfg, q, kk, vv, stacked, layer_cache, layer, ctx):
+    """Attention without a hook: the chunk's k/v written into the stacked cache (in place),
+    the layer's cache slice (returned as the new slice) or no cache. -> (out, stacked, new slice)."""
+    dt = cfg.compute_dtype
+    new_cache = None
+    if stacked is not None:
+        stacked = _write_stacked(stacked, layer, kk, vv, ctx.write_index)
+        keys, values = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(dt) for c in stacked)
+    elif layer_cache is not None:
+        keys, values = _write_cache(layer_cache, kk, vv, ctx.write_index)
+        new_cache = (keys, values)
+        keys, values = keys.astype(dt), values.astype(dt)
+    else:
+        keys, values = kk.transpose(0, 2, 1, 3), vv.transpose(0, 2, 1, 3)
+    attn = attention(q, keys, values, implementation=cfg.attention, segment_ids=ctx.segment_ids,
+                     q_index=ctx.q_index, kv_valid=ctx.kv_valid)
+    return attn, stacked, new_cache
 
 
 def _write_cache(layer_cache, k_new, v_new, write_index):

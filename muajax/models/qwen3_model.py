@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from muajax.models.chunked_attention import ATTENTION_LSE, ATTENTION_OUT
+from muajax.models.moe_layer import routing_out
 from muajax.models.qwen3_config import Qwen3Config
 from muajax.models.qwen3_layers import (
     AttentionContext,
@@ -43,7 +44,10 @@ def _remat_policy(name: str):
 
 
 class Qwen3(nn.Module):
-    """`__call__(tokens, ctx, cache_kv, logits_index)` -> (logits or hidden, new cache k/v).
+    """`__call__(tokens, ctx, cache_kv, logits_index)` -> (logits or hidden, new cache k/v), and
+    with `return_routing` a third item: a mixture of experts' `moe.RoutingOut` (experts
+    [L, B, T, k] and the load-balancing terms [L, E]; None for a dense model). Forced experts
+    come in as `ctx.routing` [L, B, T, k] (see `muajax.models.moe_layer`).
 
     `in_place` carries the cache through the layer scan (inference) instead of slicing it
     as the scan's xs/ys (autodiff). Prefer the functional `forward` below, which builds the
@@ -55,7 +59,7 @@ class Qwen3(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, ctx: AttentionContext, cache_kv, logits_index=None, return_hidden=False,
-                 in_place=False, layer_params=None):
+                 in_place=False, layer_params=None, return_routing=False):
         cfg = self.cfg
         dt = cfg.compute_dtype
         embed = declare_param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("embed_vocab", "embed"),
@@ -79,44 +83,54 @@ class Qwen3(nn.Module):
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.cache_attention, name="layers")
+        )(cfg, self.cache_attention, return_routing, name="layers")
         if layer_params is not None:  # unrolled over per-layer weights and caches (see `forward`)
-            per_layer = []
-            for index, (weights, *layer_cache) in enumerate(zip(layer_params, *cache_kv)):
-                carry = LayerCarry(x, None, jnp.int32(index))
-                if self.cache_attention is None:
-                    carry, layer_cache = DecoderLayer(cfg).apply({"params": weights}, carry, tuple(layer_cache), ctx)
-                else:  # the hook reads and returns this layer's own cache parts as its `stacked`
-                    carry, _ = DecoderLayer(cfg, self.cache_attention).apply(
-                        {"params": weights}, carry._replace(stacked=tuple(layer_cache)), None, ctx)
-                    layer_cache = carry.stacked
-                x = carry.x
-                per_layer.append(layer_cache)
-            new_cache = tuple(map(tuple, zip(*per_layer)))
+            x, new_cache, routing = self._unrolled(x, ctx, cache_kv, layer_params, return_routing)
         elif in_place and cache_kv is not None:
-            carry, _ = stack(LayerCarry(x, cache_kv, jnp.int32(0)), None, ctx)
+            carry, (_, routing) = stack(LayerCarry(x, cache_kv, jnp.int32(0)), None, ctx)
             x, new_cache = carry.x, carry.stacked
         else:
-            carry, new_cache = stack(LayerCarry(x, None, jnp.int32(0)), cache_kv, ctx)
+            carry, (new_cache, routing) = stack(LayerCarry(x, None, jnp.int32(0)), cache_kv, ctx)
             x = carry.x
-
         final_norm = declare_param(self, "final_norm", (cfg.hidden_size,), ("norm",), nn.initializers.ones)
         head = embed.T if cfg.tie_word_embeddings else declare_param(
             self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), nn.initializers.normal(0.02))
+        logits = self._head(final_norm, head, x, ctx, logits_index, return_hidden)
+        return (logits, new_cache, routing_out(routing)) if return_routing else (logits, new_cache)
+
+    def _unrolled(self, x, ctx, cache_kv, layer_params, return_routing):
+        """The layers one by one on their own weights and caches: (x, new cache, routing)."""
+        per_layer, routings = [], []
+        for index, (weights, *layer_cache) in enumerate(zip(layer_params, *cache_kv)):
+            carry = LayerCarry(x, None, jnp.int32(index))
+            layer = DecoderLayer(self.cfg, self.cache_attention, return_routing)
+            if self.cache_attention is None:
+                carry, (layer_cache, routing) = layer.apply({"params": weights}, carry, tuple(layer_cache), ctx)
+            else:  # the hook reads and returns this layer's own cache parts as its `stacked`
+                carry, (_, routing) = layer.apply({"params": weights}, carry._replace(stacked=tuple(layer_cache)),
+                                                  None, ctx)
+                layer_cache = carry.stacked
+            x = carry.x
+            per_layer.append(layer_cache)
+            routings.append(routing)
+        stacked = None if routings[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *routings)
+        return x, tuple(map(tuple, zip(*per_layer))), stacked
+
+    def _head(self, final_norm, head, x, ctx, logits_index, return_hidden):
+        """The final norm and the LM head (logits), or the normed hidden states."""
+        cfg = self.cfg
         if cfg.token_tiles and not return_hidden:  # the norm and the head a tile at a time
             x = x if logits_index is None else jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
             flat = x.reshape(-1, x.shape[-1])
             fn = lambda a: (lm_head(rms_norm(a, final_norm, cfg.rms_norm_eps), head, cfg),)
-            logits = map_tiles(cfg.token_tiles, ctx.live_tiles, fn, flat)[0].reshape(*x.shape[:-1], -1)
-            return logits, new_cache
+            return map_tiles(cfg.token_tiles, ctx.live_tiles, fn, flat)[0].reshape(*x.shape[:-1], -1)
         x = rms_norm(x, final_norm, cfg.rms_norm_eps)
         if logits_index is not None:  # only the rows' chosen positions need a [V]-wide head
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         if return_hidden:
-            return x, new_cache
+            return x
         logits = lm_head(x, head, cfg)
-        logits = nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
-        return logits, new_cache
+        return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
 def lm_head(x: jax.Array, head: jax.Array, cfg: Qwen3Config) -> jax.Array:

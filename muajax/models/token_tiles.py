@@ -65,13 +65,16 @@ def map_tiles(tiles: TokenTiles, live, fn, *xs):
     return tuple(o.reshape(tiles.shards * n * tiles.tile, *o.shape[3:]) for o in outs)
 
 
-def tiled_layer(tiles: TokenTiles, rope, pre_attention, post_attention, cache_attention, x, cache, layer, ctx):
+def tiled_layer(tiles: TokenTiles, rope, pre_attention, post_attention, cache_attention, x, cache, layer, ctx,
+                extra=None):
     """One decoder layer over x [R, W, D] a tile (tile / W rows) at a time, for the first
     `ctx.live_tiles` tiles of each shard: `pre_attention(x, cos, sin) -> q, k, v`, the cache
     hook `cache_attention(q, k, v, cache, layer, ctx) -> (out, cache)` on the tile's rows
-    of every rows-first array of `ctx` (q_index, pages), `post_attention(x, out) -> x`;
-    `rope(q_index) -> cos, sin`. Tiles run in order, so a row sees the cache writes of the
-    rows before it. Returns (x, cache)."""
+    of every rows-first array of `ctx` (q_index, pages, routing), `post_attention(x, out, ctx)
+    -> (x, tile extra)`; `rope(q_index) -> cos, sin`. Tiles run in order, so a row sees the
+    cache writes of the rows before it. `extra`: None, or a pair (rows, sums) of pytrees
+    (e.g. a mixture of experts' `LayerRouting`): each tile's rows' leaves [tile rows, W, ...]
+    are written at its rows, its sums' leaves added up. Returns (x, cache, extra)."""
     rows, width = x.shape[:2]
     if tiles.tile % width or rows % (tiles.shards * (tiles.tile // width)):
         raise ValueError(f"tiles of {tiles.tile} tokens over {tiles.shards} shard(s) do not cut [{rows}, {width}] rows")
@@ -79,17 +82,27 @@ def tiled_layer(tiles: TokenTiles, rope, pre_attention, post_attention, cache_at
     n = rows // (tiles.shards * per_tile)
     group = lambda a: a.reshape(tiles.shards, n, per_tile, *a.shape[1:])
     take = lambda a, j: jax.lax.dynamic_index_in_dim(group(a), j, 1, keepdims=False).reshape(-1, *a.shape[1:])
+    put = lambda g, a, j: jax.lax.dynamic_update_index_in_dim(g, a.reshape(tiles.shards, per_tile, *a.shape[1:]), j, 1)
 
     def body(j, carry):
-        grouped, cache = carry
+        grouped, cache, extra = carry
         xt = jax.lax.dynamic_index_in_dim(grouped, j, 1, keepdims=False).reshape(-1, *x.shape[1:])
         q_index = take(ctx.q_index, j)
         cos, sin = rope(q_index)
-        sub = ctx._replace(q_index=q_index, cos=cos, sin=sin, pages=jax.tree.map(lambda a: take(a, j), ctx.pages))
+        sub = ctx._replace(q_index=q_index, cos=cos, sin=sin, pages=jax.tree.map(lambda a: take(a, j), ctx.pages),
+                           routing=None if ctx.routing is None else take(ctx.routing, j))
         attn, cache = cache_attention(*pre_attention(xt, cos, sin), cache, layer, sub)
-        out = post_attention(xt, attn).reshape(tiles.shards, per_tile, *x.shape[1:])
-        return jax.lax.dynamic_update_index_in_dim(grouped, out, j, 1), cache
+        out, tile_extra = post_attention(xt, attn, sub)
+        if extra is not None:
+            (rows_out, sums), (tile_rows, tile_sums) = extra, tile_extra
+            extra = type(extra)(jax.tree.map(lambda g, a: put(g, a, j), rows_out, tile_rows),
+                                jax.tree.map(jnp.add, sums, tile_sums))
+        return put(grouped, out, j), cache, extra
 
     live = n if ctx.live_tiles is None else jnp.clip(ctx.live_tiles, 0, n)
-    grouped, cache = jax.lax.fori_loop(0, live, body, (group(x), cache))
-    return grouped.reshape(x.shape), cache
+    if extra is not None:
+        extra = type(extra)(jax.tree.map(group, extra[0]), extra[1])
+    grouped, cache, extra = jax.lax.fori_loop(0, live, body, (group(x), cache, extra))
+    if extra is not None:
+        extra = type(extra)(jax.tree.map(lambda g: g.reshape(rows, *g.shape[3:]), extra[0]), extra[1])
+    return grouped.reshape(x.shape), cache, extra

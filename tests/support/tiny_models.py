@@ -29,6 +29,9 @@ TINY_CONFIG = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128,
 ONE_LAYER_CONFIG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                                num_kv_heads=1, head_dim=16)
 
+# TINY_CONFIG's shape as a mixture of experts (Qwen3-MoE): 8 experts of width 32, 2 per token.
+MOE_CONFIG = TINY_CONFIG.replace(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
 # The inline `model.arch` of tiny runs: ONE_LAYER_CONFIG's shape, room for 2048 positions.
 TINY_ARCH = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                  max_position_embeddings=2048)
