@@ -28,7 +28,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from muajax.models.moe import MoeStats, RoutingOut, grouped_experts, moe_stats, route, stats_terms
+from muajax.models.moe import MoeStats, RoutingOut, moe_stats, route, stats_terms
+from muajax.models.moe_dispatch import expert_ffn
 
 
 class MoeWeights(NamedTuple):
@@ -80,8 +81,8 @@ def moe_mlp(y: jax.Array, weights: MoeWeights, cfg, b: int, t: int, forced: jax.
     LayerRouting or None). `forced` [B, T, k] or None; `valid` [B, T] or None."""
     x = y.reshape(b * t, y.shape[-1])
     routing = route(x, weights.router, cfg, None if forced is None else forced.reshape(b * t, -1))
-    # helper B's expert-parallel `moe_dispatch.expert_ffn` (same signature) replaces this call
-    out = grouped_experts(x, routing.index, routing.weight, weights.gate, weights.up, weights.down)
+    # `grouped_experts`, expert-parallel on a mesh with an expert axis (moe_dispatch)
+    out = expert_ffn(x, routing.index, routing.weight, weights.gate, weights.up, weights.down)
     if not want_routing:
         return out, None
     stats = moe_stats(routing, None if valid is None else valid.reshape(-1))
@@ -100,4 +101,4 @@ def routing_out(per_layer: LayerRouting | None) -> RoutingOut | None:
     if per_layer is None:
         return None
     fraction, mean_prob = stats_terms(per_layer.stats)
-    return RoutingOut(per_layer.experts, fraction, mean_prob)
+    return RoutingOut(per_layer.experts, fraction, mean_prob, per_layer.stats.tokens)
