@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-latency", type=float, default=None, metavar="SECONDS", help="each user reply arrives "
                    "this long after the agent's turn (default: the profile's; τ2's shipped profiles record none: 0). "
                    "It lengthens the rollout, and the asynchronous step hides the update in those waits")
+    p.add_argument("--compare", default=None, metavar="PLAN_JSON", help="print this plan beside another's: a file "
+                   "holding that plan's last line (its JSON), e.g. the dense model's, for the step, memory and throughput")
     p.add_argument("--calibrate", default=None, metavar="RUN_DIR", help="the predicted step time beside this run's "
                    "measured medians (its own profile unless --rollout-profile)")
     return p
@@ -187,7 +189,7 @@ def settings_from_flags(args) -> PlanSettings:
 def smallest_microbatches(settings: PlanSettings, args, sizes: dict[str, int]) -> PlanSettings:
     """Without --microbatch / --sft-microbatch: one row per batch device per microbatch, the
     least memory a step can take (the trainer splits a step's rows no finer)."""
-    rows = sizes["data"] * sizes["fsdp"]
+    rows = math.prod(sizes.get(axis, 1) for axis in parallel.BATCH_AXES)
     grpo, sft = settings.grpo, settings.sft
     if args.microbatch is None and settings.update_rows > rows:
         grpo = dataclasses.replace(grpo, microbatch_size=rows)
@@ -245,6 +247,15 @@ def describe_run(args) -> tuple[Qwen3Config, str, PlanSettings, dict, str | None
     if topology is None:
         raise SystemExit(f"plan: {args.config} names no mesh.topology (the slice it is sized for): pass --topology")
     return model, label, settings, mesh, topology, rollout_profile(args, facts)
+
+
+def read_plan_json(path: str) -> dict:
+    """The last line of `path` that is a JSON object: a plan's summary as this command prints it."""
+    with open(path) as f:
+        for line in reversed(f.read().splitlines()):
+            if line.strip().startswith("{"):
+                return json.loads(line)
+    raise SystemExit(f"plan: --compare {path}: no plan's JSON line in it")
 
 
 def gpu_memory_fraction(args) -> float:
@@ -306,6 +317,9 @@ def main(argv: list[str] | None = None, *, allow_reexec: bool = False) -> dict:
                                                            "async_bound_s", "max_staleness", "run_step_s",
                                                            "tokens_per_s_per_chip", "update_mfu")})
         print("\n".join(lines))
+    if args.compare:
+        summary["compared_with"] = report.comparison(summary, read_plan_json(args.compare))
+        print(summary["compared_with"]["line"])
     print(json.dumps(summary))
     if plan.fits is False:
         raise SystemExit(1)

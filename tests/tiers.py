@@ -90,6 +90,7 @@ SLOW = {
     "tests/test_plan.py::test_a_config_too_big_for_its_chip_exits_1": 12,
     "tests/test_plan.py::test_fake_cpu_mesh_reexecs_and_judges_against_a_chip": 9,
     "tests/test_plan.py::test_flag_defaults_take_the_least_memory_a_step_can": 7,
+    "tests/planning/test_moe_plan.py::test_a_tiny_mixture_of_experts_plans_on_an_expert_parallel_mesh": 55,
     "tests/engine/test_programs.py::test_pallas_programs_compile_for_a_tpu_topology": 10,
     "tests/rl/test_step_memory.py": 43,
     # --- the engine's fixed rows, sharded pool and Pallas kernel. Default tier: fixed rows'

@@ -45,6 +45,12 @@ def experts_touched(cfg: Qwen3Config, tokens: float) -> float:
     return 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens
 
 
+def weight_read_share(cfg: Qwen3Config, tokens: float) -> float:
+    """The share of the model's weights one pass over `tokens` tokens reads: all of a dense
+    model's; of a mixture of experts, all but the experts none of them is routed to."""
+    return 1.0 - expert_params(cfg) / cfg.num_params() * (1.0 - experts_touched(cfg, tokens))
+
+
 def down_projection_flops(cfg: Qwen3Config) -> float:
     """FLOPs per token of every layer's MLP down projection (a token's active experts' downs)."""
     if cfg.is_moe:

@@ -23,7 +23,9 @@ def header(plan: Plan) -> str:
     chip = plan.chip.name if plan.chip else "no chip"
     hbm = f"{fmt_bytes(plan.hbm_bytes)} usable per device" if plan.hbm_bytes else "no HBM limit given"
     mesh = ", ".join(f"{k}={v}" for k, v in plan.mesh.items())
-    lines = [f"model {plan.label}: {cfg.num_params() / 1e9:.2f}B params, {cfg.num_layers} layers, params "
+    moe = (f" ({cfg.num_params(active=True) / 1e9:.2f}B active: {cfg.num_experts_per_tok} of {cfg.num_experts} "
+           f"experts a token)") if cfg.is_moe else ""
+    lines = [f"model {plan.label}: {cfg.num_params() / 1e9:.2f}B params{moe}, {cfg.num_layers} layers, params "
              f"{cfg.param_dtype}, compute {cfg.dtype}, remat {cfg.remat}, attention {cfg.attention}",
              f"topology {plan.topology}: {plan.devices} devices ({chip}, {hbm}), mesh {mesh}, compiler {plan.compiler}"]
     for kind, seq in (("grpo", s.seq), ("sft", s.sft_seq or s.sft.max_len)):
@@ -116,3 +118,19 @@ def summary_lines(prediction: dict) -> list[str]:
             + (f", recompute {u['recompute_s']:.2f} s" if u["recompute_s"] else ""),
             f"  {p['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip; update MFU {p['update_mfu']:.1%} "
             f"(step {p['step_mfu']:.1%}) on the real tokens, over the {'async' if staleness else 'synchronous'} step"]
+
+
+def comparison(this: dict, other: dict) -> dict:
+    """This plan's summary beside another's (`python -m muajax.plan --compare`): devices, peak
+    memory per device, the step and its parts, sampled tokens per second per chip."""
+    keys = ("devices", "per_device_bytes", "fits", "step_s", "rollout_s", "update_s", "tokens_per_s_per_chip")
+    pick = lambda d: {k: d.get(k) for k in keys} | {"model": d.get("model"), "topology": d.get("topology")}
+    mine, theirs = pick(this), pick(other)
+    describe = lambda d: (f"{d['model']} on {d['topology']} ({d['devices']} chips): peak {fmt_bytes(d['per_device_bytes'])}"
+                          f" a device, fits {str(d['fits']).lower()}" + (
+                              f", step {d['step_s']:.2f} s (rollout {d['rollout_s']:.2f}, update {d['update_s']:.2f}), "
+                              f"{d['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip" if d["step_s"] else ""))
+    ratio = this["step_s"] / other["step_s"] if this.get("step_s") and other.get("step_s") else None
+    line = f"this plan: {describe(mine)}\nbeside:    {describe(theirs)}" + (
+        f"\nstep ratio {ratio:.2f} (this / beside)" if ratio else "")
+    return {"this": mine, "other": theirs, "step_ratio": ratio, "line": line}

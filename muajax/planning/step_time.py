@@ -17,14 +17,15 @@ throughput and MFU are over it.
 
 rollout_s  the rollout played through the engine's schedule call by call
            (`rollout_schedule.simulate`: decode chunks over the generating rows, extends
-           packed or in fixed rows as the engine lays them out (with token tiles only the
-           live tiles computed), the system prompt computed once, the tail
-           where few rows remain, user latency overlapped as the rollout loop allows), each
+           packed or in fixed rows as the engine lays them out (with token tiles only the live
+           tiles computed), the system prompt computed once, the tail where few rows remain,
+           user latency overlapped as the rollout loop allows), each
            call priced from the plan's compiled engine program of its kind (`engine decode`,
            `engine extend_128x64` or `extend_W`), rescaled to the call's rows, key length and
            steps by the analytic model of its work (FLOPs from muajax/models/flops.py, bytes
            from the weights and the KV cache it reads and writes); a token-tiled call by that
-           model alone (its loops' counts are the data's; its weights read once per tile);
+           model alone (its loops' counts are the data's; its weights read once per tile; of a
+           mixture of experts, the experts its tokens are routed to: `flops.weight_read_share`);
 sync_s     the engine's copy of the params (the plan's rollout phase says how many bytes per
            device; 0 when the engine reads the train state's params in place): read and
            written once, and moved over the interconnect when the layouts differ;
@@ -38,11 +39,10 @@ update_s   the `grpo step` program per optimizer update (ppo_epochs x mini-batch
 
 A call's seconds are the host's dispatch time plus the roofline of its FLOPs, bytes and
 collectives (`Rates`): on an accelerator the largest term (`muajax.planning.roofline`:
-compute, HBM and the interconnect overlap), on XLA:CPU their sum (it runs one operation
-after another, each bound by its own resource) plus the first touch of the temporaries
-it allocates at every call (page faults: a fresh buffer is written several times slower
-than a warm one). The draws of conversations are seeded:
-`samples` batches are simulated and averaged.
+compute, HBM and the interconnect overlap), on XLA:CPU their sum (one operation after
+another) plus the first touch of the temporaries it allocates at every call (page faults:
+a fresh buffer is written several times slower than a warm one). The draws of
+conversations are seeded: `samples` batches are simulated and averaged.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import numpy as np
 
 from muajax.chips import Chip
 from muajax.engine.paged_reference import BLOCK_TOKENS
-from muajax.models.flops import forward_flops, head_params, real_token_flops, train_step_flops
+from muajax.models.flops import forward_flops, head_params, real_token_flops, train_step_flops, weight_read_share
 from muajax.planning.compile import ProgramCost
 from muajax.planning.roofline import COLLECTIVE_FACTORS
 from muajax.planning.rollout_profile import RolloutProfile
@@ -124,12 +124,11 @@ class _EngineModel:
     """Per-call seconds of the engine's programs at any shape, from their compiled costs.
 
     A call without token tiles is its compiled program rescaled to the call's shape by the
-    analytic model of its work. With token tiles (`Schedule.tiled`) every layer runs a
-    loop over the live tiles whose trip count is the data's, so the compiled counts say
-    little; such a call is priced from the model alone: the FLOPs of the rows computed, the
-    weights read once per tile (each tile's dots read the layer's weights again: a decode
-    tile of 4 rows reads them as a whole row-batch did) plus each row's keys, per device of
-    the engine's mesh; its collectives (a tile's activations) are left out."""
+    analytic model of its work. With token tiles (`Schedule.tiled`) every layer runs a loop
+    over the live tiles whose trip count is the data's, so the compiled counts say little;
+    such a call is priced from the model alone: the FLOPs of the rows computed, the weights
+    read once per tile (a decode tile of 4 rows reads them as a whole row-batch did) plus
+    each row's keys, per device of the engine's mesh; its collectives are left out."""
 
     def __init__(self, programs: dict[str, ProgramCost], cfg, rates: Rates, schedule: Schedule, decode_rows: int,
                  extend_rows: dict[int, int], engine_devices: int = 1):
@@ -144,8 +143,7 @@ class _EngineModel:
                     self.extends[width] = (cost, per_shard * schedule.shards)
                 else:
                     self.extends[int(shape)] = (cost, extend_rows.get(int(shape), 0))
-        self.decode_rows = decode_rows
-        self.compiled_dense = schedule.dense(schedule.max_context)
+        self.decode_rows, self.compiled_dense = decode_rows, schedule.dense(schedule.max_context)
         itemsize = np.dtype(cfg.compute_dtype).itemsize
         self.kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
         self.weights = cfg.num_params() * itemsize
@@ -157,7 +155,7 @@ class _EngineModel:
     def _work(self, rows: int, new: int, keys: int, steps: int, head: bool, gather: bool) -> tuple[float, float]:
         """(FLOPs, bytes) of `steps` passes of `rows` rows of `new` tokens over `keys` positions."""
         flops = forward_flops(self.cfg, rows, new, keys) - (0 if head else 2.0 * head_params(self.cfg) * rows * new)
-        bytes_ = self.weights + rows * keys * self.kv_token
+        bytes_ = self.weights * weight_read_share(self.cfg, rows * new) + rows * keys * self.kv_token
         # the dense decode gathers the cache in and scatters it back, once per call
         copy = 2.0 * rows * keys * self.kv_token if gather else 0.0
         return steps * flops, steps * bytes_ + copy
@@ -184,7 +182,9 @@ class _EngineModel:
         flops = forward_flops(self.cfg, computed, new, keys) - (0 if head else 2.0 * head_params(self.cfg) * computed
                                                                  * new)
         reading = computed if reading is None else min(reading, computed)
-        bytes_ = passes * self.device_weights + reading * keys * self.kv_token / self.devices
+        per_pass = computed * new / (passes * self.schedule.shards) if passes else 0.0  # one shard's tokens a pass
+        bytes_ = passes * self.device_weights * weight_read_share(self.cfg, per_pass) \
+            + reading * keys * self.kv_token / self.devices
         return self.rates.seconds(flops / self.devices, bytes_, 0.0, temporaries(cost) * allocated)
 
     def decode(self, rows: int, dense: int, steps: int, computed: int | None = None,

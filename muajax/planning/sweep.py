@@ -3,7 +3,8 @@ rank them by the whole GRPO step's predicted time (rollout + weight sync + updat
 rollout profile: `sweep_step`), or without one by the update's roofline estimate.
 
 Every factorization of the device count over `parallel.MESH_AXES` (so an axis added there
-is swept too) is tried with the first remat policy; the others are tried on the fastest few
+is swept too; the expert axis only for a mixture of experts, at sizes that divide its
+experts) is tried with the first remat policy; the others are tried on the fastest few
 meshes that fit (`refine`), or on every mesh. Before compiling, an analytic lower bound
 prunes what cannot fit: the resident state (train state, reference, KV cache), exact from
 the shardings, plus what the update's backward pass cannot avoid holding at once — every
@@ -11,7 +12,8 @@ layer's input, which the layer scan saves for the backward (compute dtype [rows,
 per layer and device), and the larger of one layer's attention scores (float32 [rows,
 heads, T, T]; every layer's when the remat policy saves them: "none" and "dots", whose
 saved dots include the scores) and one microbatch's LM-head logits (compute dtype
-[rows x T, vocab]). Rows are one microbatch's rows per device. The scores term holds for
+[rows x T, vocab]) or, of a mixture of experts, one layer's token copies, one per active
+expert ([rows x T x k, D]). Rows are one microbatch's rows per device. The scores term holds for
 the einsum attention (`cfg.attention == "xla"`); the others (splash on TPU, chunked,
 cuDNN) never hold the [T, T] scores, so it is dropped for them. The rest are compiled with the TPU compiler's early
 out-of-memory exit. Only the update program is compiled (with the KV cache resident if it
@@ -48,11 +50,18 @@ from muajax.planning.sweep_step import engine_costs, with_step
 STEP_KEYS = ("rollout_s", "sync_s", "update_s", "step_s", "async_step_s")
 
 
-def mesh_candidates(num_devices: int, axes: tuple[str, ...] = parallel.MESH_AXES) -> list[dict[str, int]]:
-    """Every assignment of sizes to `axes` whose product is num_devices."""
+def mesh_candidates(num_devices: int, axes: tuple[str, ...] = parallel.MESH_AXES,
+                    cfg: Qwen3Config | None = None) -> list[dict[str, int]]:
+    """Every assignment of sizes to `axes` whose product is num_devices. With `cfg`: the
+    expert axis above 1 only for a mixture of experts, and only at sizes that divide its
+    experts (on a dense model it is fsdp again under another name)."""
     divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
-    return [dict(zip(axes, sizes)) for sizes in itertools.product(divisors, repeat=len(axes))
-            if math.prod(sizes) == num_devices]
+    meshes = [dict(zip(axes, sizes)) for sizes in itertools.product(divisors, repeat=len(axes))
+              if math.prod(sizes) == num_devices]
+    if cfg is None:
+        return meshes
+    experts = cfg.num_experts if cfg.is_moe else 1
+    return [m for m in meshes if experts % m.get(parallel.EXPERT_AXIS, 1) == 0]
 
 
 def _per_device(size: int, mesh: dict[str, int], axes: tuple[str, ...]) -> float:
@@ -75,6 +84,9 @@ def lower_bound(cfg: Qwen3Config, mesh: dict[str, int], devices: list, settings:
     logits = rows * t * _per_device(cfg.vocab_size, mesh, ("tensor",)) * np.dtype(cfg.compute_dtype).itemsize
     parts["saved layer inputs"] = int(cfg.num_layers * rows * t * cfg.hidden_size * np.dtype(cfg.compute_dtype).itemsize)
     transient = {"LM-head logits": int(logits)}
+    if cfg.is_moe:  # a layer's tokens copied once per active expert, sorted by expert
+        transient["expert token copies"] = int(rows * t * cfg.num_experts_per_tok * cfg.hidden_size
+                                               * np.dtype(cfg.compute_dtype).itemsize)
     if cfg.attention == "xla":
         layers = cfg.num_layers if cfg.remat in ("none", "dots") else 1
         heads = _per_device(cfg.num_heads, mesh, ("tensor",))
@@ -168,7 +180,7 @@ def mesh_settings(settings: PlanSettings, mesh: dict[str, int]) -> PlanSettings:
     """Without a microbatch size: one row per batch-sharded device per microbatch."""
     if settings.grpo.microbatch_size is not None:
         return settings
-    per = math.prod(mesh[a] for a in parallel.BATCH_AXES)
+    per = math.prod(mesh.get(a, 1) for a in parallel.BATCH_AXES)
     return dataclasses.replace(settings, grpo=dataclasses.replace(settings.grpo, microbatch_size=per))
 
 
@@ -200,7 +212,7 @@ def run_sweep(cfg: Qwen3Config, label: str, *, devices: list, settings: PlanSett
     the mesh decides the collectives, which dominate the estimate; the remat policy mostly
     trades memory for recompute on a mesh already chosen."""
     start = time.perf_counter()
-    candidates = meshes or mesh_candidates(len(devices))
+    candidates = meshes or mesh_candidates(len(devices), cfg=cfg)
     stage2 = len(remats) - 1 if refine is None else min(refine, len(candidates)) * (len(remats) - 1)
     log(f"sweep: {len(candidates)} meshes with remat {remats[0]}"
         + (f", then {', '.join(remats[1:])} on " + ("every mesh" if refine is None else f"the {refine} fastest")

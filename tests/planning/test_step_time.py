@@ -320,3 +320,23 @@ def test_the_engine_settings_follow_the_config_s_call_layout_and_a_gpu_reads_pag
     plan.settings.engine_settings = dataclasses.replace(plan.settings.engine_settings, platform="gpu")
     assert engine_attention(plan) == "paged"  # an h100 plan compiled by XLA:CPU: no dense decode
     assert not step_settings(plan, _rollout(deterministic=False)).schedule.dense_buckets
+
+
+def test_a_mixture_of_experts_pass_reads_only_the_experts_its_tokens_are_routed_to():
+    from muajax.models.flops import expert_params, weight_read_share
+    from muajax.planning.step_time import _EngineModel, extend_program_rows
+
+    plan = _plan()
+    plan.cfg = TINY_CONFIG.replace(num_experts=64, num_experts_per_tok=2, moe_intermediate_size=32)
+    experts = expert_params(plan.cfg) / plan.cfg.num_params()
+    assert experts > 0.5 and weight_read_share(TINY_CONFIG, 1) == 1.0
+    assert weight_read_share(plan.cfg, 1) == pytest.approx(1 - experts * (1 - 2 / 64))
+    assert weight_read_share(plan.cfg, 10_000) == pytest.approx(1.0)
+    settings = step_settings(plan, _rollout())  # token tiles: each pass priced by the model
+    programs = {p.name: p for p in plan.programs}
+    engine = _EngineModel(programs, plan.cfg, RATES, settings.schedule, 8, extend_program_rows(settings.schedule, 8))
+    tile = settings.schedule.decode_tile
+    one_tile = engine.decode(tile, 16, 1, tile) - RATES.dispatch_s  # one step of one tile's rows
+    assert one_tile * RATES.mem_bytes_per_s == pytest.approx(
+        engine.device_weights * weight_read_share(plan.cfg, tile) + tile * 16 * engine.kv_token, rel=1e-6)
+    assert weight_read_share(plan.cfg, tile) < 0.9  # a few rows read a few experts

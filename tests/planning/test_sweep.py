@@ -32,6 +32,15 @@ def test_mesh_candidates_cover_every_factorization():
     assert mesh_candidates(6, ("a", "b")) == [{"a": 1, "b": 6}, {"a": 2, "b": 3}, {"a": 3, "b": 2}, {"a": 6, "b": 1}]
 
 
+def test_the_expert_axis_is_swept_for_a_mixture_of_experts_at_sizes_dividing_its_experts():
+    dense = mesh_candidates(8, cfg=TINY)
+    assert dense and all(m["expert"] == 1 for m in dense)  # on a dense model it is only fsdp renamed
+    assert len(dense) == len(mesh_candidates(8, ("data", "fsdp", "tensor", "sequence")))
+    moe = mesh_candidates(8, cfg=TINY.replace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    assert {m["expert"] for m in moe} == {1, 2, 4}  # 8 does not divide 4 experts
+    assert len(moe) == len([m for m in mesh_candidates(8) if m["expert"] <= 4])
+
+
 @pytest.fixture(scope="module")
 def devices():
     return tpu_devices(parse_topology("v5p:2x2x1"))
