@@ -195,4 +195,7 @@ SLOW = {
     # --- the on-policy GRPO path bitwise unchanged by the off-policy correction. Default tier:
     # the loss and its gradient (test_the_on_policy_loss_and_gradient_are_bitwise_today_s); the whole step here.
     "tests/rl/test_off_policy_unchanged.py::test_the_on_policy_update_is_bitwise_today_s": 44,
+    # --- the router's load-balancing loss. Default tier: SFT's (added, reported, none for a
+    # dense model), the real tokens' aux loss and the shared-prefix / packed one.
+    "tests/rl/test_moe_aux.py::test_grpo_loss_adds_coef_times_the_aux_loss_and_it_moves_the_router": 24,
 }

@@ -21,6 +21,7 @@ from muajax.settings.fields import Checked, bounded, check
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.sharding import param_shardings
 from muajax.rl.losses import finalize_policy_metrics, policy_loss_terms
+from muajax.rl.moe_aux import add_aux, finalize_aux, real_tokens, wants_aux
 from muajax.rl.optim import Optimizer
 from muajax.rl.sequence import sequence_logprobs
 from muajax.rl.step import LossFn, TrainStep, shift_left, split_microbatches
@@ -162,8 +163,10 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         packing = _packing(mb, segments)
         seg = mb.get("segment_ids")
         advantages = shift_left(mb["advantages"]) if packing else mb["advantages"]
-        logp, ent = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
-                                      logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix, segment_ids=seg)
+        moe_valid = real_tokens(mb["loss_mask"], seg) if wants_aux(cfg) else None
+        logp, ent, *moe_terms = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
+                                                  logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
+                                                  segment_ids=seg, moe_valid=moe_valid)
         old, behaviour = _old_logprobs(grpo, mb, logp)
         ref_logp = None
         if grpo.uses_reference:
@@ -174,6 +177,8 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, advantages, mask, **grpo.loss_settings(),
                                                   **packing, behaviour_logprobs=behaviour)
         sums = dict(sums, entropy_sum=jax.lax.stop_gradient(jnp.where(mask > 0, ent, 0.0).sum()))
+        if moe_terms:  # the router's load-balancing loss (muajax.rl.moe_aux)
+            loss_sum, sums = add_aux(cfg, loss_sum, denom, sums, moe_terms[0])
         return loss_sum, denom, sums
 
     return loss_fn
@@ -236,7 +241,7 @@ def grpo_prepare(batch: dict) -> dict:
 def grpo_finalize(denom, sums) -> dict:
     metrics = finalize_policy_metrics(denom, sums)
     metrics["entropy"] = sums["entropy_sum"] / jnp.maximum(sums["num_tokens"], 1.0)
-    return metrics
+    return metrics | finalize_aux(denom, sums)
 
 
 def make_grpo_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, grpo: GRPOConfig = GRPOConfig(),

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from muajax.models.context_parallel import sequence_split
 from muajax.models.qwen3 import Qwen3Config, forward, forward_shared_prefix, lm_head
 from muajax.rl.logprobs import logprobs_and_entropy, token_logprobs
+from muajax.rl.moe_aux import forward_with_routing
 from muajax.rl.packed_prefix import forward_packed_prefix
 
 
@@ -58,7 +59,7 @@ def _unstrided(x):
 
 def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature: float = 1.0,
                       logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True,
-                      segment_ids=None):
+                      segment_ids=None, moe_valid=None):
     """(logprobs, entropy) f32 [B, T] of `targets` under the model run on `tokens`.
 
     `with_entropy=False` returns (logprobs, None) and saves two [B, T, V] passes (the
@@ -73,13 +74,25 @@ def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature:
     `segment_ids` [B, T] runs packed rows (see `forward`): attention stays in each segment
     and positions restart in each. With both, the rows' first P columns are the common
     prefix, run once, and every segment after it continues it (`forward_packed_prefix`).
+    `moe_valid` [B, T] bool (a mixture of experts' real tokens, `moe_aux.real_tokens`): the
+    same forward with the load-balancing terms over those tokens, returned as a third item
+    (fraction [L, E], mean_prob [L, E]).
     """
+    if moe_valid is not None:
+        hidden, terms = forward_with_routing(params, cfg, tokens, valid=moe_valid, shared_prefix=shared_prefix,
+                                             segment_ids=segment_ids)
+        return (*_logprobs_of(hidden, params, cfg, tokens, targets, temperature, logits_chunk, with_entropy), terms)
     if shared_prefix and segment_ids is not None:
         hidden = forward_packed_prefix(params, cfg, tokens, segment_ids, shared_prefix)
     elif shared_prefix:
         hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
     else:
         hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids)
+    return _logprobs_of(hidden, params, cfg, tokens, targets, temperature, logits_chunk, with_entropy)
+
+
+def _logprobs_of(hidden, params, cfg: Qwen3Config, tokens, targets, temperature, logits_chunk, with_entropy):
+    """(logprobs, entropy) of `targets` from the final hidden states (see `sequence_logprobs`)."""
     head = _head(params, cfg)
 
     def block(h, tgt):

@@ -22,6 +22,7 @@ import numpy as np
 
 from muajax.models.sharding import param_shardings
 from muajax.models.qwen3 import Qwen3Config
+from muajax.rl.moe_aux import add_aux, finalize_aux, real_tokens, wants_aux
 from muajax.rl.optim import Optimizer
 from muajax.rl.sequence import sequence_logprobs
 from muajax.rl.step import TrainStep, shift_left
@@ -53,13 +54,25 @@ def sft_loss_fn(cfg: Qwen3Config, *, logits_chunk: int | None = None, shared_pre
         if "tokens" not in mb or "loss_mask" not in mb:
             raise KeyError(f"SFT batch needs 'tokens' and 'loss_mask'; got keys {sorted(mb)}")
         tokens, segment_ids = mb["tokens"], mb.get("segment_ids")
-        logp, ent = sequence_logprobs(params, cfg, tokens, shift_left(tokens), logits_chunk=logits_chunk,
-                                      shared_prefix=0 if segment_ids is not None else shared_prefix,
-                                      with_entropy=with_entropy, segment_ids=segment_ids)
+        moe_valid = real_tokens(_read_mask(mb), segment_ids) if wants_aux(cfg) else None
+        logp, ent, *moe_terms = sequence_logprobs(
+            params, cfg, tokens, shift_left(tokens), logits_chunk=logits_chunk,
+            shared_prefix=0 if segment_ids is not None else shared_prefix, with_entropy=with_entropy,
+            segment_ids=segment_ids, moe_valid=moe_valid)
         context = shift_left(mb["context_mask"]) if "context_mask" in mb else None
-        return sft_terms(logp, shift_left(mb["loss_mask"]), ent, context)
+        loss_sum, denom, sums = sft_terms(logp, shift_left(mb["loss_mask"]), ent, context)
+        if moe_terms:  # the router's load-balancing loss (muajax.rl.moe_aux)
+            loss_sum, sums = add_aux(cfg, loss_sum, denom, sums, moe_terms[0])
+        return loss_sum, denom, sums
 
     return loss_fn
+
+
+def _read_mask(mb):
+    """The tokens the SFT loss reads: its own targets and, with a context mask, those too."""
+    if "context_mask" not in mb:
+        return mb["loss_mask"]
+    return (mb["loss_mask"] != 0) | (mb["context_mask"] > 0)
 
 
 def sft_finalize(denom, sums) -> dict:
@@ -67,7 +80,7 @@ def sft_finalize(denom, sums) -> dict:
     out = {"nll": sums["nll_sum"] / n, "num_tokens": sums["num_tokens"], "num_seqs": sums["num_seqs"]}
     if "entropy_sum" in sums:
         out["entropy"] = sums["entropy_sum"] / n
-    return out
+    return out | finalize_aux(denom, sums)
 
 
 def make_sft_step(cfg: Qwen3Config, optimizer: Optimizer, mesh, *, microbatches: int = 1,
