@@ -51,12 +51,14 @@ class RoutingOut(NamedTuple):
     """What `forward(..., return_routing=True)` returns beside the logits and the cache:
     `experts` [L, B, T, k] int32, each token's experts per layer (what `routing=` takes back
     for a replay); `fraction` [L, E] float32, the share of valid tokens routed to each expert
-    (a row sums to k); `mean_prob` [L, E] float32, the mean router probability of each expert.
+    (a row sums to k); `mean_prob` [L, E] float32, the mean router probability of each expert;
+    `tokens` [L] float32, the valid tokens they are over (to combine the terms of several calls).
     `load_balancing_loss(out.fraction, out.mean_prob)` is HF's aux loss."""
 
     experts: jax.Array
     fraction: jax.Array
     mean_prob: jax.Array
+    tokens: jax.Array
 
 
 def route(x: jax.Array, router: jax.Array, cfg, forced: jax.Array | None = None) -> Routing:
@@ -119,6 +121,20 @@ def load_balancing_terms(probs: jax.Array, index: jax.Array, valid: jax.Array | 
     """One layer's (fraction [E], mean_prob [E]) over the tokens where `valid` [N] (None: all):
     probs [N, E] float32, index [N, k] the experts used."""
     return stats_terms(moe_stats(Routing(index, None, probs), valid))
+
+
+def combine_routing(parts: list[tuple[RoutingOut, int]], axis: int = 2) -> RoutingOut:
+    """One `RoutingOut` of several calls' over consecutive tokens: [(out, repeat)], each
+    call's experts broadcast to the first's rows, concatenated along `axis` (2: positions),
+    and its terms weighted by its tokens times `repeat` (a shared prefix run once for
+    `repeat` rows counts once per row, as the rows' own forward would)."""
+    rows = max(out.experts.shape[1] for out, _ in parts)
+    experts = jnp.concatenate([jnp.broadcast_to(out.experts, (out.experts.shape[0], rows, *out.experts.shape[2:]))
+                               for out, _ in parts], axis=axis)
+    tokens = sum(out.tokens * n for out, n in parts)
+    weigh = lambda name: sum(getattr(out, name) * (out.tokens * n)[:, None] for out, n in parts) / jnp.maximum(
+        tokens, 1.0)[:, None]
+    return RoutingOut(experts, weigh("fraction"), weigh("mean_prob"), tokens)
 
 
 def load_balancing_loss(fraction: jax.Array, mean_prob: jax.Array) -> jax.Array:

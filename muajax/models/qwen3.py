@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muajax.models.moe import combine_routing
 from muajax.models.qwen3_cache import CACHE_AXES, KVCache, cache_shape, init_cache
 from muajax.models.qwen3_config import DTYPES, REMAT_POLICIES, Qwen3Config
 from muajax.models.qwen3_layers import (AttentionContext, DecoderLayer, LayerCarry, apply_rope, rms_norm,
@@ -131,26 +132,35 @@ def split_layers(params, num_layers: int) -> list:
     return [jax.tree.map(lambda p, i=i: p[i], params["layers"]) for i in range(num_layers)]
 
 
-def forward_shared_prefix(params, cfg: Qwen3Config, tokens: jax.Array, prefix_len: int) -> jax.Array:
+def forward_shared_prefix(params, cfg: Qwen3Config, tokens: jax.Array, prefix_len: int, *,
+                          routing: jax.Array | None = None, return_routing: bool = False):
     """Hidden states [B, T, D] equal to `forward(..., return_hidden=True)` for a batch whose
     rows all begin with the same `prefix_len` tokens (e.g. the system prompt with policy and
     tools, which dominates short agent conversations): the prefix runs once, for one row,
     into a KV cache that every row then extends with its own tokens. Differentiable; the
     prefix's gradient is the sum over rows, as in the full forward. Attention is
     `cfg.attention` in its cache form (`chunked` where splash or cudnn was asked for).
+    A mixture of experts takes `routing` [L, B, T, k] as `forward` does (the prefix's from
+    row 0) and with `return_routing` returns (hidden, `moe.RoutingOut` of all rows' tokens).
     """
     b, t = tokens.shape
     if not 0 < prefix_len < t:
         raise ValueError(f"prefix_len={prefix_len} must be in (0, {t})")
     cache = init_cache(cfg, 1, t)
-    h_prefix, cache = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True,
-                              in_place=False, attention=cfg.attention)
+    forced = (None, None) if routing is None else (routing[:, :1, :prefix_len], routing[:, :, prefix_len:])
+    h_prefix, cache, *first = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True,
+                                      in_place=False, attention=cfg.attention, routing=forced[0],
+                                      return_routing=return_routing)
     shape = (cfg.num_layers, b) + cache.k.shape[2:]
     cache = KVCache(jnp.broadcast_to(cache.k, shape), jnp.broadcast_to(cache.v, shape),
                     jnp.broadcast_to(cache.lengths, (b,)))
-    h_rest, _ = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True, in_place=False,
-                        attention=cfg.attention)
-    return jnp.concatenate([jnp.broadcast_to(h_prefix, (b,) + h_prefix.shape[1:]), h_rest], axis=1)
+    h_rest, _, *rest = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True,
+                               in_place=False, attention=cfg.attention, routing=forced[1],
+                               return_routing=return_routing)
+    hidden = jnp.concatenate([jnp.broadcast_to(h_prefix, (b,) + h_prefix.shape[1:]), h_rest], axis=1)
+    if not return_routing:
+        return hidden
+    return hidden, (None if first[0] is None else combine_routing([(first[0], b), (rest[0], 1)]))
 
 
 def abstract_params(cfg: Qwen3Config):
