@@ -1,192 +1,33 @@
-"""Hugging Face Qwen3 checkpoints <-> muajax params, through one table of name rules.
+"""Hugging Face Qwen3 and Qwen3-MoE checkpoints <-> muajax params, through one table of name
+rules (`muajax.models.hf_names`; the config in `muajax.models.hf_config`).
 
 Loading is lazy and sharded: each parameter is built with `jax.make_array_from_callback`,
-whose callback reads from memory-mapped safetensors only the slice (layers, rows,
+whose callback reads from memory-mapped safetensors only the slice (layers, experts, rows,
 heads) that one device holds. A 32B checkpoint therefore never sits whole in one host's
 memory. Export walks the same table backwards and writes sharded safetensors plus
 config.json that `transformers` loads, one tensor at a time (nor does it sit whole in
-memory on the way out).
+memory on the way out). A mixture of experts is read in either of HF's layouts (per expert
+or fused) and written per expert, as the Hub's Qwen3-MoE checkpoints are.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import itertools
 import json
 import os
-import re
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from muajax.models.hf_config import config_from_hf, config_to_hf, load_config
+from muajax.models.hf_names import FUSED_MARKER, IGNORED, NAME_RULES, NameRule, active_rules, hf_names
+from muajax.models.host_blocks import host_array, host_block
 from muajax.models.qwen3 import Qwen3Config, abstract_params
-from muajax.models.host_blocks import host_array, host_index
 from muajax.models.safetensors_io import CheckpointError, SafetensorsFile, SafetensorsWriter
 
-Array = np.ndarray
-
-
-def _identity(w: Array, cfg: Qwen3Config) -> Array:
-    return w
-
-
-def _transpose(w: Array, cfg: Qwen3Config) -> Array:
-    return w.T
-
-
-def _heads_in(num_heads: Callable[[Qwen3Config], int]):
-    """HF [heads*head_dim, hidden] -> muajax [hidden, heads, head_dim], and back."""
-
-    def to_params(w, cfg):
-        return w.reshape(num_heads(cfg), cfg.head_dim, w.shape[-1]).transpose(2, 0, 1)
-
-    def to_hf(w, cfg):
-        return w.transpose(1, 2, 0).reshape(-1, w.shape[0])
-
-    return to_params, to_hf
-
-
-def _o_to_params(w, cfg):  # HF [hidden, heads*head_dim] -> [heads, head_dim, hidden]
-    return w.reshape(w.shape[0], cfg.num_heads, cfg.head_dim).transpose(1, 2, 0)
-
-
-def _o_to_hf(w, cfg):
-    return w.transpose(2, 0, 1).reshape(w.shape[2], -1)
-
-
-@dataclasses.dataclass(frozen=True)
-class NameRule:
-    hf_name: str  # "{layer}" stands for the layer index
-    param_path: tuple[str, ...]
-    to_params: Callable[[Array, Qwen3Config], Array] = _identity
-    to_hf: Callable[[Array, Qwen3Config], Array] = _identity
-
-    @property
-    def per_layer(self) -> bool:
-        return "{layer}" in self.hf_name
-
-
-_q_in, _q_out = _heads_in(lambda c: c.num_heads)
-_kv_in, _kv_out = _heads_in(lambda c: c.num_kv_heads)
-_LAYER = "model.layers.{layer}."
-NAME_RULES: tuple[NameRule, ...] = (
-    NameRule("model.embed_tokens.weight", ("embed",)),
-    NameRule("model.norm.weight", ("final_norm",)),
-    NameRule("lm_head.weight", ("lm_head",), _transpose, _transpose),
-    NameRule(_LAYER + "input_layernorm.weight", ("layers", "attn_norm")),
-    NameRule(_LAYER + "self_attn.q_proj.weight", ("layers", "wq"), _q_in, _q_out),
-    NameRule(_LAYER + "self_attn.k_proj.weight", ("layers", "wk"), _kv_in, _kv_out),
-    NameRule(_LAYER + "self_attn.v_proj.weight", ("layers", "wv"), _kv_in, _kv_out),
-    NameRule(_LAYER + "self_attn.o_proj.weight", ("layers", "wo"), _o_to_params, _o_to_hf),
-    NameRule(_LAYER + "self_attn.q_norm.weight", ("layers", "q_norm")),
-    NameRule(_LAYER + "self_attn.k_norm.weight", ("layers", "k_norm")),
-    NameRule(_LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm")),
-    NameRule(_LAYER + "mlp.gate_proj.weight", ("layers", "w_gate"), _transpose, _transpose),
-    NameRule(_LAYER + "mlp.up_proj.weight", ("layers", "w_up"), _transpose, _transpose),
-    NameRule(_LAYER + "mlp.down_proj.weight", ("layers", "w_down"), _transpose, _transpose),
-)
-# Buffers some exporters include; they carry no weights.
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-
-
-def hf_names(rule: NameRule, cfg: Qwen3Config) -> list[str]:
-    if rule.per_layer:
-        return [rule.hf_name.format(layer=i) for i in range(cfg.num_layers)]
-    return [rule.hf_name]
-
-
-def active_rules(cfg: Qwen3Config) -> list[NameRule]:
-    return [r for r in NAME_RULES if not (cfg.tie_word_embeddings and r.param_path == ("lm_head",))]
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def config_from_hf(hf_config: dict, *, source: str = "config.json", **overrides) -> Qwen3Config:
-    """Accepts both config formats: hub checkpoints' top-level `rope_theta` and the
-    `rope_parameters` dict that transformers 5 writes."""
-    model_type = hf_config.get("model_type")
-    archs = hf_config.get("architectures") or []
-    if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
-        raise CheckpointError(
-            f"{source}: not a Qwen3 checkpoint (model_type={model_type!r}, architectures={archs}); "
-            "muajax loads dense Qwen3 (Qwen3ForCausalLM) only"
-        )
-    rope = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in (None, "default"):
-        raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
-    theta = rope.get("rope_theta", hf_config.get("rope_theta"))
-    if theta is None:
-        raise CheckpointError(f"{source}: no rope_theta (neither top-level nor in rope_parameters)")
-    if hf_config.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act={hf_config['hidden_act']!r} is not Qwen3's 'silu'")
-    if hf_config.get("attention_bias"):
-        raise CheckpointError(f"{source}: attention_bias=true is not Qwen3's architecture")
-    if hf_config.get("use_sliding_window"):
-        raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
-    try:
-        heads = int(hf_config["num_attention_heads"])
-        hidden = int(hf_config["hidden_size"])
-        values = dict(
-            vocab_size=int(hf_config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf_config["intermediate_size"]),
-            num_layers=int(hf_config["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads") or heads),
-            head_dim=int(hf_config.get("head_dim") or hidden // heads),
-            rope_theta=float(theta),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(hf_config.get("max_position_embeddings", 40960)),
-        )
-    except KeyError as exc:
-        raise CheckpointError(f"{source}: missing required key {exc.args[0]!r}") from None
-    values.update(overrides)
-    return Qwen3Config(**values)
-
-
-def config_to_hf(cfg: Qwen3Config, torch_dtype: str) -> dict:
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        # Qwen3's special ids only make sense when the vocabulary holds them (not in tiny test models).
-        "bos_token_id": 151643 if cfg.vocab_size > 151643 else None,
-        "eos_token_id": 151645 if cfg.vocab_size > 151645 else None,
-        "dtype": torch_dtype,
-        "torch_dtype": torch_dtype,
-    }
-
-
-def load_config(hf_dir: str, **overrides) -> Qwen3Config:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: not found (is {hf_dir!r} a Hugging Face model directory?)")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from None
-    return config_from_hf(data, source=path, **overrides)
+__all__ = ["NAME_RULES", "CheckpointError", "NameRule", "SafetensorsFile", "SafetensorsWriter", "active_rules",
+           "config_from_hf", "config_to_hf", "hf_names", "load_config", "load_params", "plan_hf_shards", "save_hf"]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -223,27 +64,31 @@ class _TensorIndex:
         return self._files[self.weight_map[name]]
 
 
-def _check_tensors(index: _TensorIndex, cfg: Qwen3Config, expected: dict[tuple[str, ...], tuple[int, ...]]):
+def _check_tensors(index: _TensorIndex, cfg: Qwen3Config, rules, expected: dict[tuple[str, ...], tuple[int, ...]]):
     known = set()
-    for rule in active_rules(cfg):
+    for rule in rules:
         want = expected[rule.param_path]
-        per_tensor = want[1:] if rule.per_layer else want
+        per_tensor = want[rule.stacked:]
+        fits: dict[tuple, bool] = {}  # by stored shape: a rule's thousands of expert tensors share one
         for name in hf_names(rule, cfg):
             known.add(name)
             f = index.file_of(name)
-            stored = jax.ShapeDtypeStruct(f.shape(name), jnp.float32)
-            try:  # shape-only: the transform is traced, nothing is read or allocated
-                got = jax.eval_shape(lambda w, rule=rule: rule.to_params(w, cfg), stored).shape
-            except (TypeError, ValueError):
-                got = None
-            if tuple(got) != tuple(per_tensor):
+            shape = tuple(f.shape(name))
+            if shape not in fits:
+                try:  # shape-only: the transform is traced, nothing is read or allocated
+                    got = jax.eval_shape(lambda w, rule=rule: rule.to_params(w, cfg),
+                                         jax.ShapeDtypeStruct(shape, jnp.float32)).shape
+                except (TypeError, ValueError):
+                    got = None
+                fits[shape] = got is not None and tuple(got) == tuple(per_tensor)
+            if not fits[shape]:
                 raise CheckpointError(
                     f"{f.path}: tensor {name!r} has shape {f.shape(name)}, which does not fit the config "
                     f"(expected the HF layout of {per_tensor})"
                 )
     if cfg.tie_word_embeddings:
         known.add("lm_head.weight")  # tied checkpoints may still carry it; HF ignores it too
-    unexpected = [n for n in index.weight_map if n not in known and not _IGNORED.fullmatch(n)]
+    unexpected = [n for n in index.weight_map if n not in known and not IGNORED.fullmatch(n)]
     if unexpected:
         path = os.path.join(index.hf_dir, index.weight_map[unexpected[0]])
         raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all): not Qwen3")
@@ -262,7 +107,7 @@ def _path_set(tree: dict, path, value):
 
 
 def load_params(hf_dir: str, cfg: Qwen3Config | None = None, shardings=None):
-    """Load a HF Qwen3 checkpoint directory into (params, cfg).
+    """Load a HF Qwen3 or Qwen3-MoE checkpoint directory into (params, cfg).
 
     `shardings`: a pytree like params of `jax.sharding.Sharding` (e.g. from
     `muajax.models.sharding.param_shardings`); None puts everything on the default device.
@@ -270,46 +115,63 @@ def load_params(hf_dir: str, cfg: Qwen3Config | None = None, shardings=None):
     """
     cfg = cfg or load_config(hf_dir)
     index = _TensorIndex(hf_dir)
+    rules = active_rules(cfg, fused=cfg.is_moe and FUSED_MARKER in index.weight_map)
     boxed = abstract_params(cfg)
     abstract = jax.tree.map(lambda p: p.value if hasattr(p, "value") else p, boxed,
                             is_leaf=lambda p: hasattr(p, "names"))
-    expected = {rule.param_path: tuple(_path_get(abstract, rule.param_path).shape) for rule in active_rules(cfg)}
-    _check_tensors(index, cfg, expected)
-    dtype = cfg.weight_dtype
+    expected = {rule.param_path: tuple(_path_get(abstract, rule.param_path).shape) for rule in rules}
+    _check_tensors(index, cfg, rules, expected)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params: dict = {}
-    for rule in active_rules(cfg):
-        shape = expected[rule.param_path]
+    for rule in rules:
         sharding = _path_get(shardings, rule.param_path) if shardings is not None else default
-        names = hf_names(rule, cfg)
-
-        def read(index_slices, rule=rule, names=names):
-            if not rule.per_layer:
-                src = index.file_of(names[0])
-                return np.ascontiguousarray(rule.to_params(src.get(names[0]), cfg)[index_slices]).astype(dtype)
-            layers = range(len(names))[index_slices[0]]
-            parts = [rule.to_params(index.file_of(names[i]).get(names[i]), cfg)[index_slices[1:]] for i in layers]
-            return np.stack(parts).astype(dtype)
-
-        _path_set(params, rule.param_path, jax.make_array_from_callback(shape, sharding, read))
+        read = lambda index_slices, rule=rule: _read_slice(index, rule, cfg, index_slices)
+        _path_set(params, rule.param_path, jax.make_array_from_callback(expected[rule.param_path], sharding, read))
     return params, cfg
+
+
+def _read_slice(index: _TensorIndex, rule: NameRule, cfg: Qwen3Config, index_slices) -> np.ndarray:
+    """The param's block at `index_slices` (one device's), read from the tensors it spans
+    (one per layer, or per layer and expert, in the block) in `cfg.param_dtype`."""
+    lead = rule.stacked
+    if not lead:
+        name = rule.name()
+        return np.ascontiguousarray(rule.to_params(index.file_of(name).get(name), cfg)[index_slices]).astype(
+            cfg.weight_dtype)
+    grid = [range(n)[s] for n, s in zip(rule.grid(cfg), index_slices[:lead])]
+    parts = []
+    for ix in itertools.product(*grid):
+        name = rule.name(*ix)
+        parts.append(np.asarray(rule.to_params(index.file_of(name).get(name), cfg)[index_slices[lead:]],
+                                cfg.weight_dtype))
+    return np.stack(parts).reshape(tuple(map(len, grid)) + parts[0].shape)
 
 
 # ----------------------------------------------------------------------------- export
 
 
 def _hf_tensors(params, cfg: Qwen3Config):
-    """[(hf name, rule, param leaf, layer index or None)] in the export's order."""
+    """[(hf name, rule, param leaf, its index in the leaf's stacked dims: () for the whole)]
+    in the export's order."""
     out = []
     for rule in active_rules(cfg):
         leaf = _path_get(params, rule.param_path)
-        names = hf_names(rule, cfg)
-        out += [(name, rule, leaf, i if rule.per_layer else None) for i, name in enumerate(names)]
+        grid = itertools.product(*map(range, rule.grid(cfg)))
+        out += [(name, rule, leaf, ix) for name, ix in zip(hf_names(rule, cfg), grid)]
     return out
 
 
-def _hf_shape(rule: NameRule, leaf, per_layer: bool, cfg: Qwen3Config) -> tuple[int, ...]:
-    shape = tuple(leaf.shape[1:] if per_layer else leaf.shape)
+def _host_part(leaf, ix: tuple[int, ...]) -> np.ndarray:
+    """leaf[ix] (ix indexes its leading dims) on the host."""
+    if not ix:
+        return host_array(leaf)
+    shape = tuple(leaf.shape)
+    rest = shape[len(ix):]
+    return host_block(leaf, ix + (0,) * len(rest), (1,) * len(ix) + rest).reshape(rest)
+
+
+def _hf_shape(rule: NameRule, leaf, cfg: Qwen3Config) -> tuple[int, ...]:
+    shape = tuple(leaf.shape[rule.stacked:])
     return tuple(jax.eval_shape(lambda w: rule.to_hf(w, cfg), jax.ShapeDtypeStruct(shape, jnp.float32)).shape)
 
 
@@ -320,7 +182,7 @@ def plan_hf_shards(tensors, np_dtype, cfg: Qwen3Config, max_shard_bytes: int) ->
     shards: list[list[tuple]] = [[]]
     shard_bytes = 0
     for name, rule, leaf, layer in tensors:
-        shape = _hf_shape(rule, leaf, layer is not None, cfg)
+        shape = _hf_shape(rule, leaf, cfg)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
         if shard_bytes and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
@@ -359,7 +221,7 @@ def save_hf(params, cfg: Qwen3Config, out_dir: str, *, dtype: str | None = None,
                                                            metadata={"format": "pt"})) if write else None
             for _ in shard:
                 name, rule, leaf, layer = next(source)
-                value = host_index(leaf, layer) if layer is not None else host_array(leaf)
+                value = _host_part(leaf, layer)
                 tensor = np.ascontiguousarray(rule.to_hf(value, cfg).astype(np_dtype))
                 del value
                 if writer is not None:

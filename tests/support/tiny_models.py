@@ -6,7 +6,8 @@
 - `TINY_ARCH` and `arch_override(...)`: the inline `model.arch` of tiny runs (run configs and
   `python -m muajax.train` overrides); the vocabulary comes from the run (`model.vocab`).
 - `HF_TINY` and `make_hf_checkpoint(...)`: random `Qwen3ForCausalLM` checkpoints saved with
-  `transformers`, for parity, loading and engine tests.
+  `transformers`, for parity, loading and engine tests; `HF_MOE_TINY` and
+  `make_hf_moe_checkpoint(...)` the same for `Qwen3MoeForCausalLM` (Qwen3-MoE).
 
 The session-scoped fixtures (one HF checkpoint per seed, the tokenizer) are in
 tests/support/fixtures.py.
@@ -108,7 +109,40 @@ def make_hf_checkpoint(path: str, *, seed: int = 0, max_shard_size: str | None =
     return path
 
 
+# `transformers.Qwen3MoeConfig` arguments of the random HF mixture-of-experts checkpoints
+# (make_hf_moe_checkpoint): HF_TINY's attention, 8 experts of width 32, 2 per token.
+HF_MOE_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                   rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False, num_experts=8,
+                   num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def make_hf_moe_checkpoint(path: str, *, seed: int = 0, fused: bool = False, max_shard_size: str | None = None,
+                           dtype=None, **overrides) -> str:
+    """Save a random `Qwen3MoeForCausalLM` (HF_MOE_TINY with `overrides`; float32 unless
+    `dtype`) to `path`; returns the path. Saved per expert (`mlp.experts.{e}.gate_proj.weight`,
+    the Hub's layout and `save_pretrained`'s default), or with `fused` in transformers 5's
+    in-memory layout (`mlp.experts.gate_up_proj` [E, 2F, D], `down_proj` [E, D, F])."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**HF_MOE_TINY, **overrides})).eval()
+    with torch.no_grad():  # norms away from 1, and a router wide enough that top-k has no near ties
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, save_original_format=not fused,
+                          **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return path
+
+
 def load_hf_model(path: str):
     import transformers
 
-    return transformers.Qwen3ForCausalLM.from_pretrained(path, dtype="auto").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()

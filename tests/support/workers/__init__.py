@@ -12,6 +12,8 @@ A worker prints what it measured (JSON); the test that starts it asserts on it.
   test_determinism.py, test_multihost.py);
 - sharded_export: the params fingerprint and HF export of sharded params, on 8 fake CPU devices or
   two processes (tests/models/test_host_blocks.py);
+- moe_sharded_load: a Qwen3-MoE HF checkpoint loaded onto a mesh of 8 fake CPU devices
+  (tests/models/test_moe_hf.py);
 - mcp_demo_server: an MCP stdio server (tests/domains/mcp/).
 """
 import os
