@@ -63,7 +63,8 @@ def hf_model(hf_dir: str, dtype: str):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.Qwen3ForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
+    # the architecture config.json names: Qwen3ForCausalLM or Qwen3MoeForCausalLM
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None
     return model
 
