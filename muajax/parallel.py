@@ -54,7 +54,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # it anyway (an "involuntary full rematerialization"), so only its width is sharded.
     ("embed_vocab", None),
     ("embed", WEIGHT_AXES),
-    ("embed_lookup", "fsdp"),  # the embedding table as its lookup reads it (see Qwen3)
+    # the embedding table as its lookup reads it (see Qwen3): width over the batch axes that
+    # shard weights, so its rows move to the batch split by one all-to-all
+    ("embed_lookup", ("fsdp", EXPERT_AXIS)),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),

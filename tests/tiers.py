@@ -198,4 +198,7 @@ SLOW = {
     # --- the router's load-balancing loss. Default tier: SFT's (added, reported, none for a
     # dense model), the real tokens' aux loss and the shared-prefix / packed one.
     "tests/rl/test_moe_aux.py::test_grpo_loss_adds_coef_times_the_aux_loss_and_it_moves_the_router": 24,
+    # --- a mixture of experts' GRPO step on 8 devices with expert = 2, 4, 8 equals one device.
+    # Default tier: expert_ffn alone on those meshes (tests/models/test_moe_dispatch.py).
+    "tests/rl/test_moe_step.py": 105,
 }
