@@ -160,7 +160,8 @@ class Plan:
         if "sft" in s.phases:
             settings["sft"] = {"batch_size": s.sft.batch_size, "microbatch_size": s.sft.microbatch_size,
                                "seq": s.sft_seq or s.sft.max_len}
-        return {"model": self.label, "params": self.cfg.num_params(), "topology": self.topology,
+        return {"model": self.label, "params": self.cfg.num_params(), "active_params": self.cfg.num_params(active=True),
+                "topology": self.topology,
                 "chip": self.chip.name if self.chip else None, "compiler": self.compiler, "devices": self.devices,
                 "mesh": self.mesh, "remat": self.cfg.remat, "param_dtype": self.cfg.param_dtype,
                 "dtype": self.cfg.dtype, "attention": self.cfg.attention, "settings": settings, "rows": self.rows,

@@ -66,5 +66,6 @@ def test_a_tiny_mixture_of_experts_plans_on_an_expert_parallel_mesh(tmp_path):
     # the compiled step computes at least what the model counts (router + active experts):
     # more, by the weight gradient XLA:TPU computes over every local expert
     assert out["flops_ratio"]["grpo"] >= 0.99
+    assert out["active_params"] < out["params"] and dense["active_params"] == dense["params"]
     assert "B active: 2 of 8 experts a token" in proc.stdout
     assert out["compared_with"]["other"]["devices"] == 4 and "beside:" in proc.stdout
