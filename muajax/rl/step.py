@@ -9,7 +9,7 @@ full-batch gradient exactly (up to float associativity) whatever the normaliser
 (token-mean, seq-mean, ...). `muajax.rl.grpo.make_grpo_step` and
 `muajax.rl.sft.make_sft_step` are the two instances.
 
-Batch layout (every array's leading dim is the batch, sharded over (data, fsdp)):
+Batch layout (every array's leading dim is the batch, sharded over (data, fsdp, expert)):
   tokens       int32 [B, T]  the full token sequence, prompt and all turns, right-padded
                              with any valid id;
   loss_mask    [B, T]        1 where tokens[b, t] was sampled by the agent;
@@ -161,7 +161,7 @@ class TrainStep:
         k, div = self.microbatches, parallel.batch_divisor(self.mesh)
         if b % k or (b // k) % div:
             raise ValueError(f"batch size {b} must split into {k} microbatches whose size is a multiple of "
-                             f"data*fsdp = {div} (the devices a batch is split over)")
+                             f"data*fsdp*expert = {div} (the devices a batch is split over)")
 
     def _update(self, state: TrainState, batch: dict, frozen):
         batch = self.prepare_fn(batch)

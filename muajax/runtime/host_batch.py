@@ -67,13 +67,13 @@ def pad_to_multiple(batch: dict[str, np.ndarray], divisor: int, pad_id: int) -> 
 
 
 def batch_divisor(mesh, microbatches: int) -> int:
-    """Rows must come in multiples of this: data * fsdp devices, times the microbatches."""
+    """Rows must come in multiples of this: data * fsdp * expert devices, times the microbatches."""
     return parallel.batch_divisor(mesh) * microbatches
 
 
 def microbatch_count(rows: int, microbatch_size: int | None, mesh, key: str) -> int:
     """How many microbatches of `microbatch_size` rows a batch of `rows` is cut into (1 with
-    none). Each must be a multiple of data * fsdp: every device takes whole rows of every
+    none). Each must be a multiple of data * fsdp * expert: every device takes whole rows of every
     microbatch, so a smaller one would be padded with empty rows up to that, in every
     microbatch (256 rows in microbatches of 8 on 32 devices would compute 1024)."""
     if microbatch_size is None:
@@ -81,7 +81,7 @@ def microbatch_count(rows: int, microbatch_size: int | None, mesh, key: str) -> 
     devices = parallel.batch_divisor(mesh)
     if microbatch_size % devices:
         hint = -(-microbatch_size // devices) * devices
-        raise ConfigError(f"{key} ({microbatch_size}) must be a multiple of data*fsdp = {devices}: every device "
+        raise ConfigError(f"{key} ({microbatch_size}) must be a multiple of data*fsdp*expert = {devices}: every device "
                           f"takes whole rows of each microbatch (one row per device per pass: {key}={devices}; "
                           f"nearest: {hint})")
     if rows % microbatch_size:
@@ -153,10 +153,30 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
     return batch
 
 
+def collate_routing(trajectories: Sequence[Trajectory], length: int, layers: int, k: int, dtype) -> np.ndarray:
+    """Routing replay's batch field: each trajectory's experts [B, T, L, k] (its `experts`).
+    Positions without any (its newest token, which the engine never fed back, and padding)
+    take experts 0..k-1: a position's experts reach only its own and later positions, and
+    neither predicts a token the loss reads. A trajectory that did not fail must have them."""
+    out = np.broadcast_to(np.arange(k, dtype=dtype), (len(trajectories), length, layers, k)).copy()
+    for i, t in enumerate(trajectories):
+        if t.experts is None:
+            if t.failed:
+                continue
+            raise ValueError(f"trajectory {t.task_id}/{t.rollout_index} has no experts for grpo.routing_replay "
+                             "(its engine must record them: Engine(record_experts=True))")
+        if t.experts.shape[1:] != (layers, k) or len(t.experts) > len(t.tokens):
+            raise ValueError(f"trajectory {t.task_id}/{t.rollout_index}: experts {t.experts.shape} for "
+                             f"{len(t.tokens)} tokens of a model of {layers} layers with {k} experts per token")
+        out[i, :len(t.experts)] = t.experts
+    return out
+
+
 def collate(trajectories: Sequence[Trajectory], *, pad_id: int = PAD_ID, length: int | None = None,
-            multiple: int = 1) -> dict[str, np.ndarray]:
+            multiple: int = 1, routing: tuple | None = None) -> dict[str, np.ndarray]:
     """The GRPO batch: tokens int32 [B, T] (right-padded with `pad_id`), loss_mask int32
-    [B, T], old_logprobs float32 [B, T], rewards float32 [B], group_ids int32 [B].
+    [B, T], old_logprobs float32 [B, T], rewards float32 [B], group_ids int32 [B]; with
+    `routing` = (layers, k, dtype) also `routing` [B, T, L, k] (`collate_routing`).
 
     T is `length` if given, else the longest trajectory rounded up to `multiple` (fewer
     distinct shapes, fewer compilations). Group ids are renumbered densely 0..G-1 by
@@ -188,20 +208,23 @@ def collate(trajectories: Sequence[Trajectory], *, pad_id: int = PAD_ID, length:
         logprobs[i, :n] = t.logprobs
         rewards[i] = t.reward
         group_ids[i] = groups.setdefault((t.task_id, t.group_id), len(groups))
-    return {"tokens": tokens, "loss_mask": mask, "old_logprobs": logprobs, "rewards": rewards,
-            "group_ids": group_ids}
+    batch = {"tokens": tokens, "loss_mask": mask, "old_logprobs": logprobs, "rewards": rewards,
+             "group_ids": group_ids}
+    if routing is not None:
+        batch["routing"] = collate_routing(trajectories, length, *routing)
+    return batch
 
 
 def collate_share(trajectories: Sequence[Trajectory], *, pad_id: int, length_of: Callable[[int], int],
-                  first_group: int) -> dict:
+                  first_group: int, routing: tuple | None = None) -> dict:
     """`collate` of this process's trajectories, at the length every process agrees on (the
     largest `length_of(longest)`; a non-decreasing `length_of`, such as a bucket), with group
     ids counted from `first_group` (its first task's global index)."""
     length = length_of(max(len(t.tokens) for t in trajectories))
     if not distributed.multiprocess():
-        return collate(trajectories, pad_id=pad_id, length=length)
+        return collate(trajectories, pad_id=pad_id, length=length, routing=routing)
     length = max(distributed.allgather_ints(length))
-    batch = collate(trajectories, pad_id=pad_id, length=length)
+    batch = collate(trajectories, pad_id=pad_id, length=length, routing=routing)
     batch["group_ids"] = batch["group_ids"] + np.int32(first_group)
     return batch
 
@@ -227,7 +250,7 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh, divisor: int, *, pad_
     """This process's rows → global jax.Arrays with the train step's batch sharding.
 
     Every process pads its block to the same size so that the global batch is a multiple of
-    `divisor` (data*fsdp*microbatches). Normally each process's devices hold exactly its
+    `divisor` (data*fsdp*expert*microbatches). Normally each process's devices hold exactly its
     own block; on a mesh where the batch axes do not split across processes (e.g. only
     tensor parallelism between hosts) every process needs every row, and the blocks are
     all-gathered first.
@@ -329,9 +352,10 @@ def place_shared(batch: dict[str, np.ndarray], mesh: Mesh, divisor: int, pad_id:
 
 
 def grpo_rows(trajectories: Sequence[Trajectory], grpo, *, pad_id: int, buckets: Sequence[int], first_group: int,
-              shared_prefix: int = 0) -> dict[str, np.ndarray]:
-    """A step's trajectories -> this process's rows, collated, masked, with advantages."""
-    batch = collate_share(trajectories, pad_id=pad_id, first_group=first_group,
+              shared_prefix: int = 0, routing: tuple | None = None) -> dict[str, np.ndarray]:
+    """A step's trajectories -> this process's rows, collated (with their experts: `routing`,
+    see `collate`), masked, with advantages."""
+    batch = collate_share(trajectories, pad_id=pad_id, first_group=first_group, routing=routing,
                           length_of=lambda longest: bucket_length(longest, buckets))
     batch = mask_failed(batch, np.array([t.failed for t in trajectories]))
     if common_prefix(batch["tokens"]) < shared_prefix:
@@ -343,10 +367,10 @@ def grpo_rows(trajectories: Sequence[Trajectory], grpo, *, pad_id: int, buckets:
 
 def grpo_update_batches(trajectories: Sequence[Trajectory], grpo, *, mesh: Mesh, pad_id: int,
                         buckets: Sequence[int], first_group: int, divisor: int,
-                        shared_prefix: int = 0) -> list[dict]:
+                        shared_prefix: int = 0, routing: tuple | None = None) -> list[dict]:
     """A step's trajectories -> the placed batch of each of its updates (one, or one per
     mini-batch of `grpo.minibatch_size` rows): collate, mask, advantages, place."""
     batch = grpo_rows(trajectories, grpo, pad_id=pad_id, buckets=buckets, first_group=first_group,
-                      shared_prefix=shared_prefix)
+                      shared_prefix=shared_prefix, routing=routing)
     local_size = None if grpo.minibatch_size is None else grpo.minibatch_size // jax.process_count()
     return [place(part, mesh, divisor, pad_id) for part in minibatches(batch, local_size)]

@@ -98,7 +98,7 @@ def test_microbatches_are_whole_rows_on_every_device():
     assert microbatch_count(256, 64, mesh, "grpo.microbatch_size") == 4
     # 256 rows padded only to the next multiple of the data-parallel size: not at all
     assert 256 % batch_divisor(mesh, microbatch_count(256, 32, mesh, "k")) == 0
-    with pytest.raises(ConfigError, match=r"grpo.microbatch_size \(8\) must be a multiple of data\*fsdp = 32"):
+    with pytest.raises(ConfigError, match=r"grpo.microbatch_size \(8\) must be a multiple of data\*fsdp\*expert = 32"):
         microbatch_count(256, 8, mesh, "grpo.microbatch_size")
     with pytest.raises(ConfigError, match=r"must divide the 256 rows"):
         microbatch_count(256, 96, mesh, "grpo.microbatch_size")
