@@ -128,12 +128,17 @@ def make_hf_moe_checkpoint(path: str, *, seed: int = 0, fused: bool = False, max
 
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**HF_MOE_TINY, **overrides})).eval()
-    with torch.no_grad():  # norms away from 1, and a router wide enough that top-k has no near ties
+    # norms away from 1, a router wide enough that top-k has no near ties, and experts large
+    # enough (HF's init, std 0.02, leaves them a small part of the residual) that the logits
+    # and the greedy tokens depend on which experts a token takes and how they are weighted
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
+                param.normal_(0.0, 0.1)
+            elif ".mlp.experts." in name:
+                param.normal_(0.0, 0.15)
     if dtype is not None:
         model = model.to(dtype)
     os.makedirs(path, exist_ok=True)
