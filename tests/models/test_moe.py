@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from muajax.models import moe
-from muajax.models.qwen3 import forward, init_params
+from muajax.models.qwen3 import forward_jit, init_params
 from tests.support.tiny_models import MOE_CONFIG
 
 
@@ -105,7 +105,7 @@ def test_the_moe_model_initialises_and_runs_with_its_routing_out():
     assert layer["expert_gate"].shape == (cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     assert layer["expert_down"].shape == (cfg.num_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
-    logits, _, routing = forward(params, cfg, tokens, return_routing=True)
+    logits, _, routing = forward_jit(params, cfg, tokens, return_routing=True)
     assert logits.shape == (2, 9, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
     assert routing.experts.shape == (cfg.num_layers, 2, 9, cfg.num_experts_per_tok)
     np.testing.assert_allclose(np.asarray(routing.fraction.sum(-1)), cfg.num_experts_per_tok, rtol=1e-6)

@@ -17,6 +17,7 @@ from muajax.models.token_tiles import TokenTiles
 from tests.support.tiny_models import MOE_CONFIG
 
 B, T = 2, 8
+shared_prefix = jax.jit(forward_shared_prefix, static_argnames=("cfg", "prefix_len", "return_routing"))
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +141,9 @@ def test_the_shared_prefix_forward_routes_and_replays_like_forward(model):
     cfg = MOE_CONFIG
     tokens = tokens.at[1, :3].set(tokens[0, :3])  # a 3-token prefix the rows share
     _, _, full = forward_jit(params, cfg, tokens, return_routing=True)
-    _, shared = forward_shared_prefix(params, cfg, tokens, 3, return_routing=True)
+    _, shared = shared_prefix(params, cfg, tokens, 3, return_routing=True)
     assert np.array_equal(np.asarray(shared.experts), np.asarray(full.experts))
     np.testing.assert_allclose(np.asarray(shared.fraction), np.asarray(full.fraction), atol=1e-6)
     forced = _forced(cfg).at[:, 1, :3].set(_forced(cfg)[:, 0, :3])
-    _, replay = forward_shared_prefix(params, cfg, tokens, 3, routing=forced, return_routing=True)
+    _, replay = shared_prefix(params, cfg, tokens, 3, routing=forced, return_routing=True)
     assert np.array_equal(np.asarray(replay.experts), np.asarray(forced))
