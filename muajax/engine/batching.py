@@ -146,6 +146,7 @@ class ExtendBatch:
     num_new: np.ndarray  # [R]
     dense_pages: int
     live_rows: int = 0  # rows with tokens in the fullest shard (they come first in each shard)
+    seqs: list | None = None  # each row's sequence (None: padding)
 
 
 def packed_extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, tile: int,
@@ -181,7 +182,7 @@ def packed_extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolS
                 del seq.queued[:n]
         if int((lengths + num_new).max()) > tables.max_pages * spec.page_size:
             raise RuntimeError("extend past a sequence's page-table width: a bookkeeping bug")
-        yield ExtendBatch(tables.rows(layout, spec.max_pages), lengths, tokens, num_new, 0, live)
+        yield ExtendBatch(tables.rows(layout, spec.max_pages), lengths, tokens, num_new, 0, live, layout)
 
 
 def extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, widths: Sequence[int],
@@ -219,7 +220,7 @@ def extend_batches(seqs: Sequence[PagedSeq], keep_last: bool, spec: PoolSpec, wi
         if int((lengths + num_new).max()) > tables.max_pages * spec.page_size:
             raise RuntimeError("extend past a sequence's page-table width: a bookkeeping bug")
         yield ExtendBatch(tables.rows(layout, spec.max_pages), lengths, tokens, num_new,
-                          dense_pages(int((lengths + num_new).max()), spec), max(map(len, groups)))
+                          dense_pages(int((lengths + num_new).max()), spec), max(map(len, groups)), layout)
 
 
 @dataclasses.dataclass

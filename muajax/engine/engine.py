@@ -45,11 +45,13 @@ from muajax import parallel
 from muajax.engine import batching, kv_cache
 
 # re-exported: callers import them from here (see muajax/engine/__init__.py)
+from muajax.engine.experts import ExpertLog
 from muajax.engine.generation import FINISH_REASONS, Generation, SamplingParams  # noqa: F401
 from muajax.engine.layer_views import layer_views
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
 from muajax.engine.pages import PagedSeq, PagePool, PageTables, SharedPrefix
 from muajax.engine.precompile import warm_programs
+from muajax.engine.prefixes import SharedPrefixes
 from muajax.engine.programs import Programs, build_spec
 from muajax.models.qwen3 import Qwen3Config
 from muajax.models.tokenizer import IM_END_ID
@@ -64,22 +66,17 @@ class _Slot:
     logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
-class Engine:
-    """`num_slots`: conversations open at once; `max_len`: tokens per conversation;
-    `kv_cache_tokens`: the pool (default `num_slots * max_len`: nothing is ever preempted);
-    `page_size`: tokens per page (default 128 with the Pallas kernel, else 16);
-    `extend_tile`: tokens per row of a packed extend (None: by backend, batching.TILES);
-    `max_extend_tokens`: tokens of one extend call per shard; `attention`: "auto" (Pallas on TPU, paged on GPU, else reference),
-    "pallas", "paged" or "reference" (paged_attention.py); `deterministic`: token tiles,
-    `decode_tile` rows per decode tile; `batch_rows`: fixed rows per shard in every call,
-    extended at `extend_widths` (None: packed, bucketed to what is in the call)."""
+class Engine(SharedPrefixes):
+    """The arguments are listed in muajax/engine/__init__.py. `record_experts` (a mixture of
+    experts): keep every computed token's chosen experts, read with `experts(slot)`."""
 
     def __init__(self, params, cfg: Qwen3Config, *, num_slots: int, max_len: int, mesh=None,
                  stop_ids: Iterable[int] = (IM_END_ID,), decode_chunk: int = 32,
                  extend_widths: Sequence[int] = (32, 128, 512, 2048), min_batch_bucket: int = 1,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_extend_tokens: int = 8192,
                  attention: str = "auto", kernel_blocks: KernelBlocks = DEFAULT_BLOCKS, batch_rows: int | None = None,
-                 extend_tile: int | None = None, deterministic: bool = False, decode_tile: int | None = None):
+                 extend_tile: int | None = None, deterministic: bool = False, decode_tile: int | None = None,
+                 record_experts: bool = False):
         if num_slots < 1 or max_len < 2 or decode_chunk < 1 or not extend_widths or min(extend_widths) < 1:
             raise ValueError(f"need num_slots >= 1, max_len >= 2, decode_chunk >= 1 and extend widths >= 1, got "
                              f"{num_slots}, {max_len}, {decode_chunk}, {tuple(extend_widths)}")
@@ -99,7 +96,8 @@ class Engine:
         extend_tile, decode_tile = extend_tile or tiles[0], decode_tile or tiles[1]
         self.spec = build_spec(cfg, mesh, num_slots=num_slots, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
                                page_size=page_size, decode_chunk=decode_chunk, attention=attention,
-                               blocks=kernel_blocks, tiled=deterministic, decode_tile=decode_tile)
+                               blocks=kernel_blocks, tiled=deterministic, decode_tile=decode_tile,
+                               record_experts=record_experts)
         self.attention, self.page_size, pool = self.spec.attention, self.spec.pool.page_size, self.spec.pool
         self.extend_widths = tuple(sorted({min(w, max_len) for w in extend_widths}))
         self.batch_rows, self.extend_tile, self.deterministic = batch_rows, extend_tile, deterministic
@@ -111,6 +109,7 @@ class Engine:
         self.pool = kv_cache.allocate(pool)
         self.pages = PageTables(PagePool(pool.num_shards, pool.pages_per_shard), self.page_size, pool.max_pages)
         self._programs = Programs(self.spec)
+        self._experts = ExpertLog(cfg, max_len) if record_experts else None
         replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._stop_ids = jax.device_put(self.stop_ids, replicated)
         self._slots: dict[int, _Slot] = {}
@@ -122,6 +121,10 @@ class Engine:
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "extend_tokens": 0, "device_s": 0.0, "decode_calls": 0,
                       "extend_calls": 0, "extend_positions": 0, "decode_positions": 0, "preemptions": 0,
                       "prefix_hits": 0, "prefix_prefill_tokens": 0, "peak_pages": 0}
+
+    @property
+    def record_experts(self) -> bool:
+        return self._experts is not None
 
     @property
     def free_slots(self) -> int:
@@ -173,62 +176,18 @@ class Engine:
             return np.zeros(shape), np.zeros(shape)
         return kv_cache.read_tokens(self.pool, self.spec.pool, seq.shard, seq.pages, seq.length)
 
+    def experts(self, slot: int) -> np.ndarray:
+        """The chosen experts [tokens, L, k] of each token in the slot's cache (engine/experts.py):
+        all of the conversation but its queued tokens (after a generation, its newest token)."""
+        if self._experts is None:
+            raise RuntimeError("this engine does not record experts: Engine(..., record_experts=True)")
+        seq = self._get(slot).seq
+        return self._experts.read(seq, seq.length)
+
     def _get(self, slot: int) -> _Slot:
         if slot not in self._slots:
             raise KeyError(f"slot {slot} is not open")
         return self._slots[slot]
-
-    # ------------------------------------------------------------------ shared prefixes
-    def register_prefix(self, tokens: Sequence[int]) -> None:
-        """Share the full pages of `tokens` among the conversations that start with them."""
-        tokens = tuple(int(t) for t in tokens)
-        if not tokens or len(tokens) > self.max_len:
-            raise ValueError(f"a prefix needs 1..max_len={self.max_len} tokens, got {len(tokens)}")
-        if all(p.tokens != tokens for p in self._prefixes):
-            self._prefixes.append(SharedPrefix(tokens, len(tokens) // self.page_size * self.page_size))
-
-    def clear_prefixes(self) -> None:
-        self._drop_prefix_copies()
-        self._prefixes = []
-
-    def _drop_prefix_copies(self) -> None:
-        for prefix in self._prefixes:
-            for copy in prefix.copies.values():
-                self.pages.drop(copy)
-            prefix.copies = {}
-
-    def _params_changed(self) -> bool:
-        leaves = jax.tree.leaves(self.params)
-        same = len(leaves) == len(self._prefix_params) and all(r() is x for r, x in zip(self._prefix_params, leaves))
-        self._prefix_params = [weakref.ref(x) for x in leaves]
-        return not same
-
-    def _place(self, seq: PagedSeq) -> None:
-        """Choose a shard for a sequence without pages, on a shared prefix's pages if one matches."""
-        tokens = seq.queued
-        prefix = max((p for p in self._prefixes if p.matches(tokens)), key=lambda p: p.full_tokens, default=None)
-        if prefix is not None:
-            if self._params_changed():
-                self._drop_prefix_copies()
-            if not prefix.copies:
-                self._compute_prefix(prefix)
-        if prefix is None or not prefix.copies:
-            self.pages.place(seq)
-            return
-        shard = self.pages.emptiest(sorted(prefix.copies))
-        self.pages.adopt(seq, shard, prefix.copies[shard].pages, prefix.tokens[: prefix.full_tokens])
-        self.stats["prefix_hits"] += 1
-
-    def _compute_prefix(self, prefix: SharedPrefix) -> None:
-        """One copy per shard with room, all extended by one batched extend."""
-        copies = {}
-        for shard in range(self.spec.pool.num_shards):
-            seq = PagedSeq(priority=-1, queued=list(prefix.tokens[: prefix.full_tokens]), shard=shard)
-            if self.pages.grow(seq, prefix.full_tokens):
-                copies[shard] = seq
-        self._extend(list(copies.values()), keep_last=False)
-        prefix.copies = copies
-        self.stats["prefix_prefill_tokens"] += prefix.full_tokens * len(copies)
 
     # ------------------------------------------------------------------ pages
     def _victims(self, seq: PagedSeq, idle_any: bool) -> list[PagedSeq]:
@@ -321,7 +280,9 @@ class Engine:
             rows = batch.live_rows * pool.num_shards if self.deterministic else batch.tokens.shape[0]
             self.stats["extend_positions"] += rows * batch.tokens.shape[1]
             args = (batch.page_table, batch.lengths, batch.tokens, batch.num_new)
-            self._run(self._programs.extend, args, live=batch.live_rows)
+            experts = self._run(self._programs.extend, args, live=batch.live_rows)
+            if experts is not None:
+                self._experts.record_extend(batch.seqs, batch.lengths, batch.num_new, np.asarray(experts))
 
     def _decode(self, ready: list[tuple[_Slot, int]]) -> list[Generation]:
         """One decode chunk over `ready`, in as many calls as the batch size allows."""
@@ -335,7 +296,7 @@ class Engine:
         # would change a row's softmax (its reduction's length) with what shares its call
         dense = self.spec.pool.max_pages if self.batch_rows else rows.dense_pages
         out = self._run(self._programs.decode, rows.arrays, dense_pages=dense)
-        tokens, logprobs, counts, reasons, computed = (np.asarray(x) for x in jax.device_get(out))
+        tokens, logprobs, counts, reasons, computed, *experts = (np.asarray(x) for x in jax.device_get(out))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += int(counts.max())
         self.stats["decode_positions"] += int(computed)
@@ -345,6 +306,8 @@ class Engine:
             if state is None:
                 continue
             seq, k = state.seq, int(counts[i])
+            if experts:
+                self._experts.record_decode(seq, seq.length, k, experts[0][i])
             if k:  # the fed token and every sampled token but the newest went into the cache
                 seq.cached.append(seq.queued[-1])
                 seq.cached.extend(int(t) for t in tokens[i, : k - 1])
@@ -384,17 +347,18 @@ class Engine:
             self.pool = kv_cache.allocate(self.spec.pool)
         args = batching.to_device(row_arrays, self.spec.pool)
         if program is self._programs.decode:
-            dense_pages = dense_pages if self.attention == "reference" and not self.deterministic else None
+            dense_pages = dense_pages if self.spec.dense_decode else None
             self.pool, out = program(self.params, self.pool, self._layer_views(), *args, self._stop_ids,
                                      dense_pages=dense_pages)
-        else:
-            self.pool, out = program(self.params, self.pool, *args, np.int32(live)), None
+        else:  # an extend returns the pool, or (pool, experts) when recording them
+            result = program(self.params, self.pool, *args, np.int32(live))
+            self.pool, out = result if self._experts is not None else (result, None)
         jax.block_until_ready(self.pool)
         self.stats["device_s"] += time.perf_counter() - start
         return out
 
     def _layer_views(self) -> list | None:
         """Per-layer weight views for the dense CPU decode (layer_views.py), or None."""
-        if self.mesh is not None or self.attention != "reference" or self.deterministic:
+        if self.mesh is not None or not self.spec.dense_decode:
             return None
         return layer_views(self.params, self.cfg)

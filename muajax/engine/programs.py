@@ -29,9 +29,10 @@ from muajax.engine import (
     paged_attention,
     paged_reference,
 )
+from muajax.engine.decode_loop import decode_loop, live_tiles  # noqa: F401 (live_tiles: re-exported)
+from muajax.engine.experts import expert_dtype
 from muajax.engine.kv_cache import PoolSpec
 from muajax.engine.paged_attention import DEFAULT_BLOCKS, KernelBlocks
-from muajax.engine.sampling import sample_tokens
 from muajax.models import qwen3
 from muajax.models.qwen3 import (
     AttentionContext,
@@ -40,7 +41,7 @@ from muajax.models.qwen3 import (
     rope_tables,
 )
 from muajax.models.sharding import param_shardings
-from muajax.models.token_tiles import TokenTiles, map_tiles
+from muajax.models.token_tiles import TokenTiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,15 @@ class ProgramSpec:
     # what else is in the call. False: each dot over the whole call.
     tiled: bool = False
     decode_tile: int = 4
+    # A mixture of experts' chosen experts out of every extend and decode (engine/experts.py):
+    # the extend returns (pool, experts [R, W, L, k]) and the decode's outputs gain experts
+    # [R, steps, L, k], in `experts.expert_dtype`. The CPU decode then reads pages in place.
+    record_experts: bool = False
+
+    @property
+    def dense_decode(self) -> bool:
+        """The decode gathers a dense copy of each chunk's pages (`_decode_reference`)."""
+        return self.attention == "reference" and not self.tiled and not self.record_experts
 
     @property
     def cfg(self) -> Qwen3Config:
@@ -71,7 +81,8 @@ class ProgramSpec:
 
 def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache_tokens: int | None = None,
                page_size: int | None = None, decode_chunk: int = 32, attention: str = "auto",
-               blocks: KernelBlocks = DEFAULT_BLOCKS, tiled: bool = False, decode_tile: int = 4) -> ProgramSpec:
+               blocks: KernelBlocks = DEFAULT_BLOCKS, tiled: bool = False, decode_tile: int = 4,
+               record_experts: bool = False) -> ProgramSpec:
     """The programs' static spec from the Engine's arguments (the Engine and planners both
     come through here). Defaults: a pool of max(num_slots, shards) * max_len tokens (room for
     every conversation at full length: no preemption), pages of 128 tokens for the Pallas
@@ -81,7 +92,9 @@ def build_spec(cfg: Qwen3Config, mesh, *, num_slots: int, max_len: int, kv_cache
     shards = 1 if mesh is None else parallel.batch_divisor(mesh)
     tokens = kv_cache_tokens or max(num_slots, shards) * max_len
     pool = make_pool_spec(cfg, mesh, kv_cache_tokens=tokens, page_size=page_size, max_len=max_len)
-    return ProgramSpec(pool, max_len, decode_chunk, attention, blocks, tiled, decode_tile)
+    if record_experts and not cfg.is_moe:
+        raise ValueError("record_experts: the model is not a mixture of experts (cfg.num_experts == 0)")
+    return ProgramSpec(pool, max_len, decode_chunk, attention, blocks, tiled, decode_tile, record_experts)
 
 
 def make_pool_spec(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size: int, max_len: int) -> PoolSpec:
@@ -120,12 +133,14 @@ class Program:
 
 
 class Programs:
-    """extend(params, pool, page_table, lengths, tokens [R, W], num_new [R], live) -> pool
+    """extend(params, pool, page_table, lengths, tokens [R, W], num_new [R], live) -> pool (with
+           `spec.record_experts`: (pool, experts [R, W, L, k]))
     decode(params, pool, layer_params, page_table, lengths, last, seeds, temperature, top_p,
            top_k, budget, limit, stop_ids, *, dense_pages) -> (pool, (tokens, logprobs, counts, reasons, computed))
     `live`: rows with tokens in the fullest shard (they come first in each shard): with token
     tiles only those are computed. `dense_pages`: the pure-JAX decode's gather bucket
-    (ignored by the paged and Pallas decodes). `computed`: the row-steps the layers ran."""
+    (ignored by the paged and Pallas decodes). `computed`: the row-steps the layers ran; with
+    `spec.record_experts` the decode's outputs end with experts [R, steps, L, k]."""
 
     def __init__(self, spec: ProgramSpec):
         self.spec = spec
@@ -134,7 +149,7 @@ class Programs:
         # with token tiles the CPU decode reads pages in place too: the dense decode's whole-call
         # attention and gather are not cut into tiles
         decode = {"pallas": _decode_pallas, "paged": _decode_paged,
-                  "reference": _decode_paged if spec.tiled else _decode_reference}[spec.attention]
+                  "reference": _decode_reference if spec.dense_decode else _decode_paged}[spec.attention]
         self.extend = Program(functools.partial(extend, spec), mesh)
         self.decode = Program(functools.partial(decode, spec), mesh, static_argnames=("dense_pages",))
 
@@ -145,14 +160,19 @@ class Programs:
 def _hooked_forward(spec: ProgramSpec, hook, pages, params, pool, lengths, tokens, live, logits_index=None,
                     return_hidden=False):
     """The model over `tokens` [R, W] at positions `lengths` + [0, W), with a paged
-    `cache_attention` hook that reads `pages` (carried in the context)."""
+    `cache_attention` hook that reads `pages` (carried in the context): (logits or hidden,
+    pool, experts [R, W, L, k] with `spec.record_experts`, else None)."""
     width = tokens.shape[1]
     q_index = lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(q_index, spec.cfg.head_dim, spec.cfg.rope_theta, spec.cfg.compute_dtype)
     ctx = AttentionContext(q_index, None, None, cos, sin, pages=pages, live_tiles=live)
     cfg = spec.model_cfg(width if width > 1 else spec.decode_tile)
-    return Qwen3(cfg, cache_attention=hook).apply({"params": params}, tokens, ctx, pool, logits_index,
-                                                  return_hidden, True)
+    out, pool, *routing = Qwen3(cfg, cache_attention=hook).apply({"params": params}, tokens, ctx, pool, logits_index,
+                                                                 return_hidden, True,
+                                                                 return_routing=spec.record_experts)
+    if not routing:
+        return out, pool, None
+    return out, pool, routing[0].experts.transpose(1, 2, 0, 3).astype(expert_dtype(spec.cfg))
 
 
 def _paged_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live, logits_index=None,
@@ -183,20 +203,10 @@ def _pallas_forward(spec: ProgramSpec, params, pool, page_table, lengths, tokens
     return _hooked_forward(spec, tile_hook, rows, params, pool, lengths, tokens, live, logits_index, return_hidden)
 
 
-def _extend_paged(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live):
+def _extend(forward_fn, spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live):
     # only the cache is wanted: returning the hidden state lets XLA drop the LM head
-    return _paged_forward(spec, params, pool, page_table, lengths, tokens, num_new, live, return_hidden=True)[1]
-
-
-def _extend_pallas(spec: ProgramSpec, params, pool, page_table, lengths, tokens, num_new, live):
-    return _pallas_forward(spec, params, pool, page_table, lengths, tokens, num_new, live, return_hidden=True)[1]
-
-
-def live_tiles(active, shards: int, tile: int):
-    """Tiles per shard up to the last active row of the fullest shard (rows by shard)."""
-    per_shard = active.reshape(shards, -1)
-    last = jnp.max(jnp.where(per_shard, jnp.arange(per_shard.shape[1], dtype=jnp.int32) + 1, 0))
-    return (last + tile - 1) // tile
+    _, pool, experts = forward_fn(spec, params, pool, page_table, lengths, tokens, num_new, live, return_hidden=True)
+    return pool if experts is None else (pool, experts)
 
 
 def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table, lengths, last, seeds, temperature,
@@ -241,70 +251,21 @@ def _decode_in_place(forward_fn, spec: ProgramSpec, params, pool, layer_params, 
 
     def step(pool, last, num_new, lengths):
         live = live_tiles(num_new > 0, shards, spec.decode_tile)
-        logits, pool = forward_fn(spec, params, pool, page_table, lengths, last[:, None], num_new, live, zeros)
-        return logits[:, 0], pool
+        logits, pool, experts = forward_fn(spec, params, pool, page_table, lengths, last[:, None], num_new, live,
+                                           zeros)
+        return (logits[:, 0], pool) if experts is None else (logits[:, 0], pool, experts[:, 0])
 
+    c = spec.cfg
+    experts = jax.ShapeDtypeStruct((c.num_layers, c.num_experts_per_tok), expert_dtype(c)) \
+        if spec.record_experts else None
     return decode_loop(step, pool, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
-                       steps=spec.decode_chunk, max_len=spec.max_len, tiles=_tiles(spec))
+                       steps=spec.decode_chunk, max_len=spec.max_len, tiles=_tiles(spec), experts=experts)
 
 
 _decode_pallas = functools.partial(_decode_in_place, _pallas_forward)
 _decode_paged = functools.partial(_decode_in_place, _paged_forward)
-
-
-def decode_loop(step, cache, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids, *,
-                steps: int, max_len: int, tiles: TokenTiles | None = None):
-    """Up to `steps` decode steps; stops early once every row is done.
-
-    `step(cache, last [R], num_new [R], lengths [R]) -> (logits [R, V], cache)` feeds each
-    active row's last token at its `lengths`. A row runs while it has `budget` (new tokens
-    left), `limit` (tokens its pages hold this chunk; padding rows have 0) and context.
-    Reasons: 0 still running, 1 stop token, 2 budget (length), 3 context full.
-    Also returns the row-steps computed: every row each step, or with `tiles` the live tiles'."""
-    batch = last.shape[0]
-    keys = jax.vmap(jax.random.key)(seeds)
-    active = (limit > 0) & (budget > 0) & (lengths < max_len)
-    out_tokens = jnp.zeros((batch, steps), jnp.int32)
-    out_logprobs = jnp.zeros((batch, steps), jnp.float32)
-    counts = jnp.zeros((batch,), jnp.int32)
-    reasons = jnp.zeros((batch,), jnp.int32)
-
-    def cond(carry):
-        return (carry[0] < steps) & jnp.any(carry[3])
-
-    def computed_rows(active):
-        if tiles is None:
-            return jnp.int32(batch)
-        return live_tiles(active, tiles.shards, tiles.tile) * tiles.tile * tiles.shards
-
-    def sample(logits, step_keys, active):
-        if tiles is None:
-            return sample_tokens(logits, step_keys, temperature, top_p, top_k)
-        fn = lambda lg, kd, t, p, k: sample_tokens(lg, jax.random.wrap_key_data(kd), t, p, k)
-        return map_tiles(tiles, live_tiles(active, tiles.shards, tiles.tile), fn, logits,
-                         jax.random.key_data(step_keys), temperature, top_p, top_k)
-
-    def body(carry):
-        i, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons, computed = carry
-        computed = computed + computed_rows(active)
-        logits, cache = step(cache, last, active.astype(jnp.int32), lengths)
-        lengths = lengths + active
-        # a conversation's key depends only on its seed and the position being sampled
-        step_keys = jax.vmap(jax.random.fold_in)(keys, lengths)
-        token, logprob = sample(logits, step_keys, active)
-        out_tokens = out_tokens.at[:, i].set(jnp.where(active, token, 0))
-        out_logprobs = out_logprobs.at[:, i].set(jnp.where(active, logprob, 0.0))
-        counts = counts + active
-        hit_stop = jnp.any(token[:, None] == stop_ids[None, :], axis=-1)
-        reason = jnp.where(hit_stop, 1, jnp.where(counts >= budget, 2, jnp.where(lengths >= max_len, 3, 0)))
-        reasons = jnp.where(active, reason, reasons)
-        last = jnp.where(active, token, last)
-        active = active & (reason == 0) & (counts < limit)
-        return i + 1, cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons, computed
-
-    carry = (jnp.int32(0), cache, lengths, active, last, out_tokens, out_logprobs, counts, reasons, jnp.int32(0))
-    _, cache, _, _, _, out_tokens, out_logprobs, counts, reasons, computed = jax.lax.while_loop(cond, body, carry)
-    return cache, (out_tokens, out_logprobs, counts, reasons, computed)
+_extend_pallas = functools.partial(_extend, _pallas_forward)
+_extend_paged = functools.partial(_extend, _paged_forward)
 
 
 # ---------------------------------------------------------------------- abstract arguments (planning)
@@ -365,22 +326,24 @@ def abstract_programs(cfg: Qwen3Config, mesh, *, kv_cache_tokens: int, page_size
                       max_seqs: int, max_len: int, widths=(32, 128, 512, 2048), decode_chunk: int = 16,
                       max_extend_tokens: int = 8192, attention: str = "auto", blocks: KernelBlocks = DEFAULT_BLOCKS,
                       dense_tokens: int | None = None, params=None, extend_tile: int | None = 16,
-                      deterministic: bool = False, decode_tile: int = 4) -> list[ProgramCall]:
+                      deterministic: bool = False, decode_tile: int = 4,
+                      record_experts: bool = False) -> list[ProgramCall]:
     """The engine's decode program (every shard full: `max_seqs` conversations) and its
     extend program, as an `Engine` with these arguments would build them, on abstract
     arguments: packed (`extend_tile`, the default: one program of as many `extend_tile`
     rows as `max_extend_tokens` allows) or, with `extend_tile=None`, fixed rows at each of
     `widths`. `deterministic`: token tiles (decode rows a multiple of `decode_tile`).
     `dense_tokens` (the pure-JAX dense decode): the positions gathered (default max_len,
-    the worst case). `params`: abstract params (default: the training layout on `mesh`)."""
+    the worst case). `params`: abstract params (default: the training layout on `mesh`).
+    `record_experts`: a mixture of experts' programs that also return each token's experts."""
     spec = build_spec(cfg, mesh, num_slots=max_seqs, max_len=max_len, kv_cache_tokens=kv_cache_tokens,
                       page_size=page_size, decode_chunk=decode_chunk, attention=attention, blocks=blocks,
-                      tiled=deterministic, decode_tile=decode_tile)
+                      tiled=deterministic, decode_tile=decode_tile, record_experts=record_experts)
     programs = Programs(spec)
     params = abstract_params(cfg, mesh) if params is None else params
     shards, per_shard = spec.pool.num_shards, -(-max_seqs // spec.pool.num_shards)
     decode_rows = max(batching.MIN_TILES, -(-per_shard // decode_tile)) * decode_tile if deterministic else per_shard
-    dense = spec.attention == "reference" and not deterministic
+    dense = spec.dense_decode
     static = {"dense_pages": batching.dense_pages(dense_tokens or max_len, spec.pool) if dense else None}
     calls = [ProgramCall("decode", programs.decode, abstract_decode_args(spec, params, shards * decode_rows), static)]
     if extend_tile:
