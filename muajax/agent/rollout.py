@@ -194,6 +194,8 @@ class _Driver:
 
     def _finish(self, conv: Conversation) -> None:
         if conv.slot is not None:
+            if getattr(self.engine, "record_experts", False):  # routing replay: every computed token's experts
+                conv.record.experts = self.engine.experts(conv.slot)
             self.engine.release(conv.slot)
             del self.live[conv.slot]
         loop = asyncio.get_running_loop()

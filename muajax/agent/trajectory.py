@@ -5,6 +5,10 @@ prompt, every turn delta, and every sampled token (never re-tokenized from text)
 `loss_mask[t]` is 1 exactly where `tokens[t]` was sampled by the agent (its closing
 `<|im_end|>` included) and `logprobs[t]` is the rollout policy's logprob of `tokens[t]`
 (0 where the mask is 0), indexed by the token they describe, as `muajax.rl.step` expects.
+With routing replay (a mixture of experts, `grpo.routing_replay`), `experts` [n, L, k] holds
+the experts the engine routed each of the first n tokens to in each layer (every token it
+computed: prompt, user and tool turns and sampled tokens alike; the newest token, never fed
+back, is not among them), which the training forward then uses (`muajax.runtime.host_batch`).
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ class Trajectory:
     error: str | None = None  # the user/setup/evaluation error behind an error termination
     wall_s: float = 0.0  # admission to end of episode
     domain: str = ""  # the task's domain (evaluations report each domain on its own)
+    experts: np.ndarray | None = None  # [n <= len(tokens), L, k]: routing replay's (see the module docstring)
 
     @property
     def failed(self) -> bool:
@@ -108,6 +113,9 @@ class Trajectory:
         if not np.array_equal(mask, in_spans):
             raise ValueError(f"trajectory {self.task_id}/{self.rollout_index}: loss_mask disagrees with the "
                              "sampled spans")
+        if self.experts is not None and (self.experts.ndim != 3 or len(self.experts) > n):
+            raise ValueError(f"trajectory {self.task_id}/{self.rollout_index}: experts {self.experts.shape} for "
+                             f"{n} tokens")
         if np.any(np.asarray(self.logprobs)[~mask] != 0.0):
             raise ValueError(f"trajectory {self.task_id}/{self.rollout_index}: nonzero logprob off the mask")
 

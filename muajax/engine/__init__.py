@@ -6,7 +6,7 @@ engine.engine.Engine(params, cfg, *, num_slots, max_len, mesh=None, stop_ids=(IM
         decode_chunk=32, extend_widths=(32, 128, 512, 2048), min_batch_bucket=1,
         kv_cache_tokens=None, page_size=None, max_extend_tokens=8192, attention="auto",
         kernel_blocks=KernelBlocks(), batch_rows=None, extend_tile=None, deterministic=False,
-        decode_tile=None)
+        decode_tile=None, record_experts=False)
     num_slots: conversations open at once; max_len: tokens per conversation;
     kv_cache_tokens: the page pool in tokens (default max(num_slots, shards) * max_len);
     page_size: tokens per page (default 128 on the Pallas path, else 16);
@@ -20,10 +20,13 @@ engine.engine.Engine(params, cfg, *, num_slots, max_len, mesh=None, stop_ids=(IM
     None: by platform, batching.TILES: 16 and 2 on CPU, 128 and every slot elsewhere);
     batch_rows: the older way to the same end: every call has this many rows per shard,
     extends at extend_widths (None: packed).
+    record_experts: a mixture of experts' chosen experts of every computed token, kept per
+    conversation (experts.py; routing replay); the CPU decode then reads pages in place.
   open(tokens, *, seed=0) -> slot        release(slot)          append(slot, tokens)
   start(slot, SamplingParams)            step() -> [Generation]  generate(slots, sampling) -> {slot: Generation}
   flush(slots=None, *, keep_last=False)  length(slot)           is_generating(slot)    sampled(slot)
   register_prefix(tokens)                clear_prefixes()       cached_kv(slot) -> (k, v)
+  experts(slot) -> uint8 [cached tokens, layers, experts per token] (record_experts)
   release_memory() (free the pool; allocated again on next use)   warmup(max_tokens=None) -> programs compiled
   free_slots, num_slots, max_len, params (assign new params after an update), stats, batch_buckets,
   extend_widths, page_size, attention
@@ -53,5 +56,6 @@ batching.py (host: rows per shard, buckets, packed and fixed-row extends), kv_ca
 (device: the pool and shard-local page gathers/writes), paged_attention.py (the path choice,
 the Pallas kernel hook), paged_reference.py (pure-JAX attention over pages in place),
 layer_views.py (per-layer weight views for the dense CPU decode), programs.py (the jitted extend and decode programs), precompile.py (compiling them all
-ahead), sampling.py, generation.py (SamplingParams, Generation), engine.py.
+ahead), decode_loop.py (the decode programs' sample loop), experts.py (recorded experts), sampling.py,
+generation.py (SamplingParams, Generation), prefixes.py (shared prefixes), engine.py.
 """

@@ -94,6 +94,13 @@ class GRPOConfig(Checked):
     # the update's version minus the oldest version that sampled its tokens). 0: rollout,
     # then update, strictly in turn (the synchronous loop, unchanged).
     max_staleness: int = bounded(0, ge=0)
+    # Routing replay (a mixture of experts): the rollout engine keeps the experts it routed
+    # every token of a trajectory to, and the training forwards (the policy's, the reference's
+    # and the recomputed old logprobs') use those experts instead of their routers' top k,
+    # so the trainer's logprobs of a rollout are the engine's (to float rounding) even where
+    # a near tie would route the trainer's computation elsewhere. The routers' probabilities
+    # still weight the replayed experts (their gradient flows). false: each forward routes.
+    routing_replay: bool = False
 
     def validate(self) -> None:
         check(self.steps is None or self.warmup_steps < self.steps, "warmup_steps",
@@ -151,6 +158,16 @@ def _old_logprobs(grpo: GRPOConfig, mb: dict, logp):
     return shift_left(mb["prox_logprobs"].astype(jnp.float32)), rollout
 
 
+def _replayed(grpo: GRPOConfig, mb: dict):
+    """The microbatch's stored experts [B, T, L, k] with `grpo.routing_replay`, else None."""
+    if not grpo.routing_replay:
+        return None
+    if "routing" not in mb:
+        raise KeyError("grpo.routing_replay: the batch needs 'routing', the rollout's experts of every token "
+                       "(an engine with record_experts, trajectories' `experts`)")
+    return mb["routing"]
+
+
 def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shared_prefix: int,
                  segments: int | None = None) -> LossFn:
     """One microbatch's GRPO terms; `ref_params` is only read (and run) when kl_coef > 0.
@@ -164,15 +181,16 @@ def grpo_loss_fn(cfg: Qwen3Config, grpo: GRPOConfig, *, temperature: float, shar
         seg = mb.get("segment_ids")
         advantages = shift_left(mb["advantages"]) if packing else mb["advantages"]
         moe_valid = real_tokens(mb["loss_mask"], seg) if wants_aux(cfg) else None
+        routing = _replayed(grpo, mb)
         logp, ent, *moe_terms = sequence_logprobs(params, cfg, tokens, targets, temperature=temperature,
                                                   logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
-                                                  segment_ids=seg, moe_valid=moe_valid)
+                                                  segment_ids=seg, moe_valid=moe_valid, routing=routing)
         old, behaviour = _old_logprobs(grpo, mb, logp)
         ref_logp = None
         if grpo.uses_reference:
             ref_logp, _ = sequence_logprobs(ref_params, cfg, tokens, targets, temperature=temperature,
                                             logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
-                                            segment_ids=seg)
+                                            segment_ids=seg, routing=routing)
             ref_logp = jax.lax.stop_gradient(ref_logp)
         loss_sum, denom, sums = policy_loss_terms(logp, old, ref_logp, advantages, mask, **grpo.loss_settings(),
                                                   **packing, behaviour_logprobs=behaviour)
@@ -191,28 +209,31 @@ def make_old_logprobs_fn(cfg: Qwen3Config, mesh, grpo: GRPOConfig, *, temperatur
     (0 off the loss mask): `grpo.recompute_old_logprobs` with mini-batches, computed for every
     mini-batch before the step's first update and carried beside the rollout's old_logprobs
     as the batch's `prox_logprobs` (the proximal policy of the off-policy correction). Rows
-    run `microbatches` at a time; `packed` rows carry `segment_ids`."""
+    run `microbatches` at a time; `packed` rows carry `segment_ids`; with
+    `grpo.routing_replay` the batch's `routing` forces the experts."""
     shardings = param_shardings(cfg, mesh)
     rows = NamedSharding(mesh, PartitionSpec(parallel.BATCH_AXES, None))
+    optional = (("segment_ids",) if packed else ()) + (("routing",) if grpo.routing_replay else ())
 
-    def one(params, tokens, segment_ids):
+    def one(params, tokens, extra):
         logp, _ = sequence_logprobs(params, cfg, tokens, shift_left(tokens), temperature=temperature,
                                     logits_chunk=grpo.logits_chunk, shared_prefix=shared_prefix,
-                                    segment_ids=segment_ids)
+                                    segment_ids=extra.get("segment_ids"), routing=extra.get("routing"))
         return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=1)  # by the token predicted
 
-    def fn(params, tokens, loss_mask, *segment_ids):  # segment_ids: one array (packed) or none
+    def fn(params, tokens, loss_mask, *rest):  # rest: the `optional` fields
+        extra = dict(zip(optional, rest))
         if microbatches == 1:
-            old = one(params, tokens, *segment_ids or [None])
+            old = one(params, tokens, extra)
         else:
             split = lambda x: split_microbatches(x, microbatches, mesh)
-            old = jax.lax.map(lambda ts: one(params, *ts, *([None] * (2 - len(ts)))),
-                              (split(tokens), *map(split, segment_ids)))
+            old = jax.lax.map(lambda xs: one(params, *xs), (split(tokens), jax.tree.map(split, extra)))
             old = old.swapaxes(0, 1).reshape(tokens.shape)  # undo the strided split
         return jnp.where(loss_mask > 0, old, 0.0)
 
-    fields = ("tokens", "loss_mask") + (("segment_ids",) if packed else ())
-    jitted = jax.jit(fn, in_shardings=(shardings, *[rows] * len(fields)), out_shardings=rows)
+    fields = ("tokens", "loss_mask") + optional
+    field_sh = [parallel.batch_sharding(mesh, 4) if k == "routing" else rows for k in fields]
+    jitted = jax.jit(fn, in_shardings=(shardings, *field_sh), out_shardings=rows)
     arguments = lambda batch: tuple(batch[k] for k in fields)
 
     def old_logprobs(params, batch):

@@ -57,20 +57,23 @@ def _segment_starts(seg: jax.Array) -> jax.Array:
     return jnp.sum(first & (seg != 0)).astype(jnp.float32)
 
 
-def _shared_prefix(params, cfg: Qwen3Config, tokens, prefix_len: int, valid):
+def _shared_prefix(params, cfg: Qwen3Config, tokens, prefix_len: int, valid, routing=None):
     """`forward_shared_prefix` with routing out: the prefix once, then every row's own tokens
-    (its real ones as its new tokens, so the statistics count those)."""
+    (its real ones as its new tokens, so the statistics count those). `routing` [L, B, T, k]:
+    forced experts (the prefix's those of row 0)."""
+    forced = (None, None) if routing is None else (routing[:, :1, :prefix_len], routing[:, :, prefix_len:])
     b, t = tokens.shape
     cache = init_cache(cfg, 1, t)
     h_prefix, cache, r_prefix = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True,
-                                        in_place=False, attention=cfg.attention, return_routing=True)
+                                        in_place=False, attention=cfg.attention, return_routing=True,
+                                        routing=forced[0])
     shape = (cfg.num_layers, b) + cache.k.shape[2:]
     cache = KVCache(jnp.broadcast_to(cache.k, shape), jnp.broadcast_to(cache.v, shape),
                     jnp.broadcast_to(cache.lengths, (b,)))
     rest = valid[:, prefix_len:]
     h_rest, _, r_rest = forward(params, cfg, tokens[:, prefix_len:], cache=cache, return_hidden=True, in_place=False,
                                 attention=cfg.attention, num_new=jnp.sum(rest, axis=1).astype(jnp.int32),
-                                return_routing=True)
+                                return_routing=True, routing=forced[1])
     hidden = jnp.concatenate([jnp.broadcast_to(h_prefix, (b,) + h_prefix.shape[1:]), h_rest], axis=1)
     rows = jnp.sum(jnp.any(rest, axis=1)).astype(jnp.float32)
     terms = _combine([(r_prefix.fraction, r_prefix.mean_prob, rows * prefix_len),
@@ -78,23 +81,25 @@ def _shared_prefix(params, cfg: Qwen3Config, tokens, prefix_len: int, valid):
     return hidden, terms
 
 
-def forward_with_routing(params, cfg: Qwen3Config, tokens, *, valid, shared_prefix: int = 0, segment_ids=None):
+def forward_with_routing(params, cfg: Qwen3Config, tokens, *, valid, shared_prefix: int = 0, segment_ids=None,
+                         routing=None):
     """(hidden [B, T, D], (fraction [L, E], mean_prob [L, E])) over the `valid` tokens
     (`real_tokens`): `sequence_logprobs`'s forward of a mixture of experts, with its
-    load-balancing terms."""
+    load-balancing terms. `routing` [L, B, T, k]: forced experts (routing replay)."""
     if shared_prefix and segment_ids is not None:
         seg = jnp.where(valid, segment_ids, 0)
-        hidden, routing = forward_packed_prefix(params, cfg, tokens, seg, shared_prefix, return_routing=True)
-        r_prefix, r_rest = routing
+        hidden, (r_prefix, r_rest) = forward_packed_prefix(params, cfg, tokens, seg, shared_prefix, return_routing=True,
+                                                           routing=routing)
         rest = valid[:, shared_prefix:]
         terms = _combine([(r_prefix.fraction, r_prefix.mean_prob, _segment_starts(seg[:, shared_prefix:]) * shared_prefix),
                           (r_rest.fraction, r_rest.mean_prob, jnp.sum(rest).astype(jnp.float32))])
         return hidden, terms
     if shared_prefix:
-        return _shared_prefix(params, cfg, tokens, shared_prefix, valid)
+        return _shared_prefix(params, cfg, tokens, shared_prefix, valid, routing)
     seg = jnp.where(valid, 1 if segment_ids is None else segment_ids, 0).astype(jnp.int32)
-    hidden, _, routing = forward(params, cfg, tokens, return_hidden=True, segment_ids=seg, return_routing=True)
-    return hidden, (routing.fraction, routing.mean_prob)
+    hidden, _, out = forward(params, cfg, tokens, return_hidden=True, segment_ids=seg, return_routing=True,
+                             routing=routing)
+    return hidden, (out.fraction, out.mean_prob)
 
 
 def add_aux(cfg: Qwen3Config, loss_sum, denom, sums: dict, terms):

@@ -50,22 +50,26 @@ def prefix_segment_attention(q, k, v, stacked, layer, ctx: AttentionContext):
 
 
 def forward_packed_prefix(params, cfg: Qwen3Config, tokens: jax.Array, segment_ids: jax.Array,
-                          prefix_len: int, return_routing: bool = False):
+                          prefix_len: int, return_routing: bool = False, routing: jax.Array | None = None):
     """Hidden states [B, T, D] of packed rows whose first `prefix_len` columns are the common
     prefix and whose other columns hold segments (`segment_ids`, 0: padding) that each
     continue that prefix: each position's hidden state is the one it has in its own
     trajectory's row (`forward_shared_prefix` of that row). With `return_routing` (a mixture
-    of experts), (hidden, (the prefix's `RoutingOut`, the segments' over their nonzero ids))."""
+    of experts), (hidden, (the prefix's `RoutingOut`, the segments' over their nonzero ids)).
+    `routing` [L, B, T, k]: forced experts (routing replay), the prefix's those of row 0."""
     b, t = tokens.shape
     if not 0 < prefix_len < t:
         raise ValueError(f"prefix_len={prefix_len} must be in (0, {t})")
     cache = init_cache(cfg, 1, prefix_len)
+    forced = (None, None) if routing is None else (routing[:, :1, :prefix_len], routing[:, :, prefix_len:])
     h_prefix, cache, *r_prefix = forward(params, cfg, tokens[:1, :prefix_len], cache=cache, return_hidden=True,
-                                         in_place=False, attention=cfg.attention, return_routing=return_routing)
+                                         in_place=False, attention=cfg.attention, return_routing=return_routing,
+                                         routing=forced[0])
     seg = segment_ids[:, prefix_len:]
     positions = prefix_len + packed_positions(seg)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.compute_dtype)
-    ctx = AttentionContext(q_index=None, kv_valid=None, write_index=None, cos=cos, sin=sin, segment_ids=seg)
+    ctx = AttentionContext(q_index=None, kv_valid=None, write_index=None, cos=cos, sin=sin, segment_ids=seg,
+                           routing=forced[1])
     model = Qwen3(cfg, cache_attention=prefix_segment_attention)
     h_rest, _, *r_rest = model.apply({"params": params}, tokens[:, prefix_len:], ctx, (cache.k, cache.v), None, True,
                                      True, return_routing=return_routing)

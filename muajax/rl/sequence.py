@@ -59,7 +59,7 @@ def _unstrided(x):
 
 def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature: float = 1.0,
                       logits_chunk: int | None = None, shared_prefix: int = 0, with_entropy: bool = True,
-                      segment_ids=None, moe_valid=None):
+                      segment_ids=None, moe_valid=None, routing=None):
     """(logprobs, entropy) f32 [B, T] of `targets` under the model run on `tokens`.
 
     `with_entropy=False` returns (logprobs, None) and saves two [B, T, V] passes (the
@@ -77,18 +77,27 @@ def sequence_logprobs(params, cfg: Qwen3Config, tokens, targets, *, temperature:
     `moe_valid` [B, T] bool (a mixture of experts' real tokens, `moe_aux.real_tokens`): the
     same forward with the load-balancing terms over those tokens, returned as a third item
     (fraction [L, E], mean_prob [L, E]).
+    `routing` [B, T, L, k] (routing replay, `grpo.routing_replay`): the experts each token
+    of a mixture of experts uses in each layer, instead of its routers' top k.
     """
+    forced = replay_routing(routing)
     if moe_valid is not None:
         hidden, terms = forward_with_routing(params, cfg, tokens, valid=moe_valid, shared_prefix=shared_prefix,
-                                             segment_ids=segment_ids)
+                                             segment_ids=segment_ids, routing=forced)
         return (*_logprobs_of(hidden, params, cfg, tokens, targets, temperature, logits_chunk, with_entropy), terms)
     if shared_prefix and segment_ids is not None:
-        hidden = forward_packed_prefix(params, cfg, tokens, segment_ids, shared_prefix)
+        hidden = forward_packed_prefix(params, cfg, tokens, segment_ids, shared_prefix, routing=forced)
     elif shared_prefix:
-        hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix)
+        hidden = forward_shared_prefix(params, cfg, tokens, shared_prefix, routing=forced)
     else:
-        hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids)
+        hidden, _ = forward(params, cfg, tokens, return_hidden=True, segment_ids=segment_ids, routing=forced)
     return _logprobs_of(hidden, params, cfg, tokens, targets, temperature, logits_chunk, with_entropy)
+
+
+def replay_routing(routing):
+    """A batch's stored experts [B, T, L, k] (any integer dtype) as the model's forced routing
+    [L, B, T, k] int32 (`AttentionContext.routing`); None stays None."""
+    return None if routing is None else jnp.moveaxis(routing, 2, 0).astype(jnp.int32)
 
 
 def _logprobs_of(hidden, params, cfg: Qwen3Config, tokens, targets, temperature, logits_chunk, with_entropy):

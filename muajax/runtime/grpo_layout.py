@@ -12,7 +12,9 @@ A layout fixes, from the run config, the mesh and the conversations' common prom
   microbatch instead of once per row (`shared_prefix_tokens`);
 - the logprobs' temperature (the rollout's);
 - whether trajectories are packed into rows with segment ids (`grpo.pack_rows`,
-  `muajax.runtime.grpo_packing`) or padded one per row.
+  `muajax.runtime.grpo_packing`) or padded one per row;
+- with routing replay (`grpo.routing_replay`, a mixture of experts) the batch's `routing`
+  field, the rollout's experts of every token [rows, T, L, k].
 
 The batch an update takes is `fields()` (`GRPO_BATCH_FIELDS` padded, `PACKED_BATCH_FIELDS`
 packed) at [rows, bucket]: the host builds it (`GRPOLayout.update_batches`) and the planner
@@ -30,6 +32,7 @@ import numpy as np
 
 from muajax import parallel
 from muajax.agent.chat import system_prompt_ids
+from muajax.engine.experts import expert_dtype
 from muajax.models import attention
 from muajax.models.qwen3 import Qwen3Config
 from muajax.rl.grpo import make_grpo_step, make_old_logprobs_fn
@@ -37,6 +40,7 @@ from muajax.rl.optim import optimizer_from_config
 from muajax.runtime.grpo_packing import grpo_packed_batches, row_buckets
 from muajax.runtime.host_batch import (batch_divisor, common_prefix, grpo_update_batches, length_buckets,
                                        microbatch_count)
+from muajax.settings.fields import ConfigError
 
 # A common prompt shorter than this is not worth a prefix pass of its own: a page of the
 # engine's TPU pool, and the smallest block the attention kernels tile by.
@@ -102,10 +106,16 @@ class GRPOLayout:
     # the step's batch also carries `prox_logprobs`, recomputed before the first update
     # (grpo.recompute_old_logprobs with mini-batches), beside the host's fields
     proximal: bool = False
+    # routing replay: (layers, experts per token, dtype) of the batch's `routing`; None: none
+    routing: tuple | None = None
 
     def fields(self) -> dict:
         """The update batch's fields: name -> (dtype, per-row shape)."""
-        return PACKED_BATCH_FIELDS if self.packed else GRPO_BATCH_FIELDS
+        fields = PACKED_BATCH_FIELDS if self.packed else GRPO_BATCH_FIELDS
+        if self.routing is None:
+            return fields
+        layers, k, dtype = self.routing
+        return {**fields, "routing": (dtype, ("T", layers, k))}
 
     @property
     def segments(self) -> int | None:
@@ -144,7 +154,7 @@ class GRPOLayout:
     def update_batches(self, trajectories, grpo, *, mesh, pad_id: int, first_group: int) -> list[dict]:
         """A step's trajectories -> the placed batch of each of its updates, padded or packed."""
         common = dict(mesh=mesh, pad_id=pad_id, buckets=self.buckets, first_group=first_group,
-                      divisor=self.divisor, shared_prefix=self.shared_prefix)
+                      divisor=self.divisor, shared_prefix=self.shared_prefix, routing=self.routing)
         if self.packed:
             return grpo_packed_batches(trajectories, grpo, padded_rows=self.padded_rows, **common)
         return grpo_update_batches(trajectories, grpo, **common)
@@ -158,7 +168,7 @@ class GRPOLayout:
         out = {}
         fields = dict(self.fields(), **({"prox_logprobs": (np.float32, ("T",))} if self.proximal else {}))
         for name, (dtype, row) in fields.items():
-            shape = (rows, *(length for _ in row))
+            shape = (rows, *(length if d == "T" else d for d in row))
             out[name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=parallel.batch_sharding(mesh, len(shape)))
         return out
 
@@ -175,7 +185,18 @@ def make_layout(mesh, model_cfg: Qwen3Config, grpo, *, batch_size: int, max_cont
     prefix = shared_prefix_tokens(prompt_prefix, model_cfg, length=max(buckets), platform=platform)
     return GRPOLayout(batch_size, update_rows, micro, buckets, prefix, max(temperature, 1e-6),
                       batch_divisor(mesh, micro), packed=grpo.pack_rows,
-                      proximal=grpo.recompute_old_logprobs and grpo.minibatch_size is not None)
+                      proximal=grpo.recompute_old_logprobs and grpo.minibatch_size is not None,
+                      routing=replay_routing(model_cfg, grpo))
+
+
+def replay_routing(model_cfg: Qwen3Config, grpo) -> tuple | None:
+    """The layout's `routing`: (layers, experts per token, dtype) with grpo.routing_replay."""
+    if not grpo.routing_replay:
+        return None
+    if not model_cfg.is_moe:
+        raise ConfigError("grpo.routing_replay replays a mixture of experts' routing: the model has no experts "
+                          "(model num_experts is 0)")
+    return model_cfg.num_layers, model_cfg.num_experts_per_tok, expert_dtype(model_cfg)
 
 
 def grpo_layout(cfg, mesh, model_cfg: Qwen3Config, *, prompt_prefix: int) -> GRPOLayout:

@@ -7,8 +7,9 @@ is cut and the attention per row is what a padded row's is). With a shared prefi
 tokens (`muajax.runtime.grpo_layout.shared_prefix_tokens`) its first P columns are that
 prefix, once, and the rest holds the trajectories without it; without one, the row holds
 whole trajectories. First-fit decreasing (`muajax.runtime.packing.pack`) places them.
-Every per-token field moves with its token: tokens, the loss mask, the old logprobs, and the
-advantage (now per token, each its trajectory's). `segment_ids` number the trajectories
+Every per-token field moves with its token: tokens, the loss mask, the old logprobs, the
+routing replay's experts (`routing`, when the batch has them; the shared prefix takes its
+first trajectory's), and the advantage (now per token, each its trajectory's). `segment_ids` number the trajectories
 1, 2, ... across the (mini-)batch (0: padding) and `sum_norm` carries the padded length
 (what "seq-mean-token-sum-norm" divides by), so the loss (`muajax.rl.losses`) treats each
 segment as the row it would have had. A trajectory's first packed token is predicted by
@@ -68,9 +69,16 @@ def packed_rows(batch: dict[str, np.ndarray], lengths: Sequence[int], bins: Sequ
     out = {"tokens": np.full((rows, length), pad_id, np.int32), "loss_mask": np.zeros((rows, length), np.int32),
            "old_logprobs": np.zeros((rows, length), np.float32), "advantages": np.zeros((rows, length), np.float32),
            "segment_ids": np.zeros((rows, length), np.int32), "sum_norm": np.full((rows,), length, np.float32)}
+    per_token = ("tokens", "loss_mask", "old_logprobs")
+    if "routing" in batch:  # positions out of every segment keep experts 0..k-1, as collate pads
+        k = batch["routing"].shape[-1]
+        out["routing"] = np.broadcast_to(np.arange(k, dtype=batch["routing"].dtype),
+                                         (rows, length, *batch["routing"].shape[2:])).copy()
+        per_token += ("routing",)
     for r, members in enumerate(bins):
         if p:
-            out["tokens"][r, :p] = batch["tokens"][members[0], :p]
+            for key in ("tokens", "routing") if "routing" in out else ("tokens",):
+                out[key][r, :p] = batch[key][members[0], :p]
             out["segment_ids"][r, :p] = first_segment + members[0]
         start = p
         for i in members:
@@ -80,7 +88,7 @@ def packed_rows(batch: dict[str, np.ndarray], lengths: Sequence[int], bins: Sequ
             end = start + lengths[i] - p
             if end > length:
                 raise ValueError(f"packed row {r}: its trajectories take {end} columns, more than {length}")
-            for key in ("tokens", "loss_mask", "old_logprobs"):
+            for key in per_token:
                 out[key][r, start:end] = batch[key][i, p:lengths[i]]
             out["advantages"][r, start:end] = batch["advantages"][i]
             out["segment_ids"][r, start:end] = first_segment + i
@@ -102,12 +110,12 @@ def computed_positions(lengths: Sequence[int], length: int, *, shared_prefix: in
 
 def grpo_packed_batches(trajectories: Sequence[Trajectory], grpo, *, mesh: Mesh, pad_id: int,
                         buckets: Sequence[int], first_group: int, divisor: int, shared_prefix: int,
-                        padded_rows: int) -> list[dict]:
+                        padded_rows: int, routing: tuple | None = None) -> list[dict]:
     """`muajax.runtime.host_batch.grpo_update_batches` with each (mini-)batch's rows packed:
     the same rows, masks and advantages, then `packed_rows` at the fewest of `row_buckets`
     (with several processes: the most any process needs), placed."""
     batch = grpo_rows(trajectories, grpo, pad_id=pad_id, buckets=buckets, first_group=first_group,
-                      shared_prefix=shared_prefix)
+                      shared_prefix=shared_prefix, routing=routing)
     batch["lengths"] = np.array([len(t.tokens) for t in trajectories], np.int64)
     local_size = None if grpo.minibatch_size is None else grpo.minibatch_size // jax.process_count()
     length = batch["tokens"].shape[1]

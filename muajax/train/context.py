@@ -89,7 +89,8 @@ class RunContext:
             fixed = r.deterministic and r.call_layout == "fixed_rows"
             self._engine = make_rollout_engine(None, self.model_cfg, self.mesh, self.tok, num_slots=slots,
                                                max_len=r.max_context, rollout=r, min_batch_bucket=min(8, slots),
-                                               call_rows=self.rollout_slots() if fixed else None)
+                                               call_rows=self.rollout_slots() if fixed else None,
+                                               record_experts=self.cfg.grpo.routing_replay)
         self._engine.params = params
         return self._engine
 
