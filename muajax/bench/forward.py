@@ -7,6 +7,11 @@ The warm-up outputs are compared, so a fast but wrong forward shows up as a logi
 
 Default size: hidden 512, 8 layers, 8 heads / 4 kv heads of 64, MLP 1536, vocab 32000,
 batch 8 x 512 tokens, float32. `--quick`: a tiny model and 2 rounds (a smoke run).
+
+`--moe`: a mixture of experts instead, transformers' `Qwen3MoeForCausalLM` (every layer's MLP
+`--experts` experts of width `--moe-intermediate`, each token routed to `--active` of them,
+norm_topk_prob) beside muajax's MoE forward (`muajax.models.moe`) on the same weights;
+default 16 experts, 4 active, width 384 (quick: 8, 2, 32).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ FULL = dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate
             batch=8, seq=512, repeat=5)
 QUICK = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512,
              batch=2, seq=32, repeat=2)
+MOE_FULL = dict(experts=16, active=4, moe_intermediate=384)
+MOE_QUICK = dict(experts=8, active=2, moe_intermediate=32)
 
 
 def parse(argv) -> argparse.Namespace:
@@ -32,12 +39,39 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (default: all cores)")
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="transformers attention implementation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe", action="store_true", help="a mixture of experts (Qwen3MoeForCausalLM) instead")
+    for key in MOE_FULL:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                       help=f"with --moe: default {MOE_FULL[key]} ({MOE_QUICK[key]} quick)")
     args = p.parse_args(argv)
-    return fill_size_args(args, FULL, QUICK)
+    args = fill_size_args(args, FULL, QUICK)
+    if args.moe:
+        for key, value in (MOE_QUICK if args.quick else MOE_FULL).items():
+            setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+        if not 1 <= args.active <= args.experts or args.moe_intermediate < 1:
+            raise BenchError(f"--active {args.active} must be in 1..--experts {args.experts}, --moe-intermediate >= 1")
+    return args
+
+
+def build_hf_moe(args):
+    """A random `Qwen3MoeForCausalLM` of the size in `args`, every layer sparse."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        moe_intermediate_size=args.moe_intermediate, num_experts=args.experts, num_experts_per_tok=args.active,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        max_position_embeddings=max(args.seq, 512), rope_theta=1_000_000.0, tie_word_embeddings=False,
+        attn_implementation=args.attn)
+    torch.manual_seed(args.seed)
+    return transformers.Qwen3MoeForCausalLM(config)
 
 
 def build_hf(args):
-    return build_hf_qwen3(args).eval()
+    return (build_hf_moe(args) if args.moe else build_hf_qwen3(args)).eval()
 
 
 def run(argv) -> dict:
@@ -79,8 +113,10 @@ def run(argv) -> dict:
         rows = slice(0, min(2, args.batch))
         outputs[name] = out[rows].numpy() if name == "transformers" else np.asarray(out[rows])
 
+    mlp = (f"{args.experts} experts of {args.moe_intermediate}, {args.active} a token" if args.moe
+           else f"mlp {args.intermediate}")
     log(f"forward: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
-        f"mlp {args.intermediate}, vocab {args.vocab}; batch {args.batch} x {args.seq} tokens, float32, "
+        f"{mlp}, vocab {args.vocab}; batch {args.batch} x {args.seq} tokens, float32, "
         f"torch threads {torch.get_num_threads()}, attention {args.attn}")
     times = interleave({"transformers": transformers_forward, "muajax": muajax_forward},
                        warmup=args.warmup, repeat=args.repeat, on_warmup=keep)
@@ -97,7 +133,8 @@ def run(argv) -> dict:
         "muajax_times_s": times["muajax"],
         "transformers_times_s": times["transformers"],
         "max_abs_logit_diff": diff,
-        "config": {k: getattr(args, k) for k in FULL if k != "repeat"},
+        "config": {k: getattr(args, k) for k in (*FULL, *(MOE_FULL if args.moe else ())) if k != "repeat"},
+        "moe": args.moe,
         "quick": args.quick,
         "repeat": args.repeat,
         "attn_implementation": args.attn,

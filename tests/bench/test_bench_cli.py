@@ -37,6 +37,16 @@ def test_forward_quick_prints_both_figures_and_a_json_last_line():
     assert "transformers" in text and "muajax" in text and "ratio muajax/transformers" in text
 
 
+def test_forward_moe_quick_compares_the_mixture_of_experts_with_transformers():
+    proc, out = run_bench("forward", "--quick", "--moe")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert out["benchmark"] == "forward" and out["moe"] is True
+    assert out["config"]["experts"] == 8 and out["config"]["active"] == 2 and out["config"]["moe_intermediate"] == 32
+    assert out["ratio"] == pytest.approx(out["muajax_tokens_per_s"] / out["transformers_tokens_per_s"])
+    assert out["max_abs_logit_diff"] < 1e-4  # Qwen3MoeForCausalLM's weights, through muajax's loader
+    assert "8 experts of 32, 2 a token" in proc.stdout and "ratio muajax/transformers" in proc.stdout
+
+
 def test_unknown_benchmark_is_an_error_with_the_list():
     proc, out = run_bench("no-such-bench")
     assert proc.returncode == 2
