@@ -19,7 +19,7 @@ def static_shapes(engine, max_tokens: int | None = None) -> list[tuple[str, int,
     `max_tokens` tokens can make (width 1: decode; dense pages None: the Pallas path)."""
     spec = engine.spec.pool
     top = min(max_tokens or engine.max_len, engine.max_len)
-    reference = engine.attention == "reference" and not engine.deterministic  # the dense decode
+    reference = engine.spec.dense_decode  # gathers a dense copy: one program per gather length
 
     def dense(low: int):
         if engine.batch_rows is not None and reference:  # fixed rows: the whole max_len (Engine._decode_call)

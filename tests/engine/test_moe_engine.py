@@ -124,3 +124,20 @@ def test_experts_are_recorded_only_when_asked_and_only_for_a_mixture_of_experts(
     with pytest.raises(ValueError, match="not a mixture of experts"):
         Engine(engine_params(CFG.replace(num_experts=0)), CFG.replace(num_experts=0), num_slots=1, max_len=32,
                record_experts=True)
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "recording"])
+def test_warmup_compiles_every_program_a_mixture_of_experts_then_uses(params, record):
+    engine = Engine(params, CFG, num_slots=4, max_len=96, stop_ids=(), decode_chunk=4, page_size=16,
+                    max_extend_tokens=64, record_experts=record)
+    count = engine.warmup()
+    sizes = lambda: (engine._programs.decode.jitted._cache_size(), engine._programs.extend.jitted._cache_size())
+    assert count == sum(sizes()) and engine.pages.pool.in_use == 0
+    before = sizes()
+    for lengths in ((3,), (20, 70, 5)):
+        slots = [engine.open(p) for p in prompts(*lengths, seed=len(lengths))]
+        engine.generate(slots, SamplingParams(temperature=1.0, max_new_tokens=20))
+        for slot in slots:
+            engine.release(slot)
+    assert sizes() == before  # no call compiled anything new
+

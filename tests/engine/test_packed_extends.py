@@ -11,6 +11,7 @@ from muajax.engine.paged_reference import attend_pages
 from muajax.models.attention import attention
 from tests.support.tiny_models import (
     ENGINE_CONFIG,
+    MOE_CONFIG,
     TINY_CONFIG,
     engine_params,
     random_ids,
@@ -25,11 +26,11 @@ def params():
     return engine_params()
 
 
-def conversation_with(params, mates, **engine_kwargs):
+def conversation_with(params, mates, cfg=CFG, **engine_kwargs):
     """Two sampled turns of one conversation while `mates` (prompt lengths) extend and decode
     beside it: more tiles than one call holds when there are many."""
     rng = np.random.RandomState(1)
-    engine = Engine(params, CFG, num_slots=64, max_len=1024, stop_ids=(), decode_chunk=6, page_size=16,
+    engine = Engine(params, cfg, num_slots=64, max_len=1024, stop_ids=(), decode_chunk=6, page_size=16,
                     max_extend_tokens=512, **engine_kwargs)
     ours = engine.open(ids(rng, 21), seed=5)
     turn = ids(rng, 13)
@@ -45,6 +46,7 @@ def conversation_with(params, mates, **engine_kwargs):
             engine.append(slot, ids(rng, 40))
             engine.start(slot, SamplingParams(temperature=1.0, max_new_tokens=11))
     second = engine.generate([ours], sampling)[ours]
+    engine.ours = ours
     return first.tokens + second.tokens, np.asarray(first.logprobs + second.logprobs), engine
 
 
@@ -68,6 +70,23 @@ def test_with_token_tiles_a_conversation_is_bitwise_the_same_beside_1_7_and_63_o
     assert engine.stats["extend_positions"] > alone.stats["extend_positions"]
     # beside 7 or 63 others its decode calls held more tiles (one mate shares its tile of 2)
     assert engine.stats["decode_positions"] > alone.stats["decode_positions"] or count == 1
+
+
+MOE = MOE_CONFIG.replace(vocab_size=ENGINE_CONFIG.vocab_size)
+
+
+@pytest.mark.parametrize("attention_path", ["reference", "paged"])
+def test_with_token_tiles_a_mixture_of_experts_conversation_is_bitwise_the_same_beside_63_others(attention_path):
+    """The same for a mixture of experts, and its recorded experts too (its experts' FFN
+    groups the call's tokens by expert: a tile's tokens are grouped among themselves)."""
+    weights = engine_params(MOE)
+    kwargs = dict(cfg=MOE, deterministic=True, attention=attention_path, record_experts=True)
+    alone_tokens, alone_logprobs, alone = conversation_with(weights, [], **kwargs)
+    tokens, logprobs, engine = conversation_with(weights, MATES[63], **kwargs)
+    assert tokens == alone_tokens
+    np.testing.assert_array_equal(logprobs, alone_logprobs)
+    np.testing.assert_array_equal(engine.experts(engine.ours), alone.experts(alone.ours))
+    assert engine.stats["extend_positions"] > alone.stats["extend_positions"]
 
 
 def test_without_token_tiles_the_bits_follow_the_call(params):
