@@ -205,4 +205,19 @@ SLOW = {
     # Default tier: [e4_k2_norm] and [e8_k2_plain]; every shape's logits stay there.
     "tests/models/test_moe_parity.py::test_greedy_tokens_equal_hf_generate[e12_k3_plain_tied_3layers]": 16,
     "tests/models/test_moe_parity.py::test_greedy_tokens_equal_hf_generate[e16_k4_norm]": 15,
+    # --- the engine on a mixture of experts (seconds at load ~9). Default tier: greedy tokens on
+    # the dense layer-scan decode, recorded experts on the dense path (its CPU recording
+    # decode reads pages in place), preemption, warmup, and the packed-extend bits on paged.
+    "tests/engine/test_moe_engine.py::test_greedy_tokens_equal_the_plain_forward_on_every_decode_path[fixed-rows]": 48,
+    "tests/engine/test_moe_engine.py::test_greedy_tokens_equal_the_plain_forward_on_every_decode_path[token-tiles]": 42,
+    "tests/engine/test_moe_engine.py::test_greedy_tokens_equal_the_plain_forward_on_every_decode_path[paged]": 37,
+    "tests/engine/test_moe_engine.py::test_greedy_tokens_equal_the_plain_forward_on_every_decode_path[dense-per-layer]": 36,
+    "tests/engine/test_moe_engine.py::test_recorded_experts_are_the_plain_forwards_for_every_cached_token[paged]": 42,
+    "tests/engine/test_moe_engine.py::test_recorded_experts_are_the_plain_forwards_for_every_cached_token[token-tiles]": 29,
+    "tests/engine/test_packed_extends.py::test_with_token_tiles_a_mixture_of_experts_conversation_is_bitwise_the_same_beside_63_others[reference]": 24,
+    # --- routing replay (seconds at load ~9). Default tier: the trainer's logprobs equal the
+    # engine's with replay and differ without, padded and packed rows; the config key.
+    "tests/rl/test_routing_replay.py::test_the_first_pass_ratio_deviation_with_and_without_replay": 108,
+    "tests/rl/test_routing_replay.py::test_with_replay_the_trainer_s_logprobs_are_the_engine_s[shared-prefix-padded]": 25,
+    "tests/rl/test_routing_replay.py::test_with_replay_the_trainer_s_logprobs_are_the_engine_s[shared-prefix-packed]": 24,
 }
