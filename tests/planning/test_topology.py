@@ -105,14 +105,14 @@ def test_every_hardware_config_names_a_topology_its_mesh_fills_without_padding(p
     cfg = load_config(path)
     spec = parse_topology(cfg.mesh.topology)  # what `python -m muajax.plan --config` compiles for
     assert spec.chip is not None  # judged against a chip: a TPU generation's, or the GPU's
-    data, fsdp, tensor, sequence = cfg.mesh.resolve(spec.chips)
-    assert data * fsdp * tensor * sequence == spec.chips
+    data, fsdp, tensor, sequence, expert = cfg.mesh.resolve(spec.chips)
+    assert data * fsdp * tensor * sequence * expert == spec.chips
     assert (spec.gpu is not None) == path.endswith("-h100.yaml")
-    # the shipped microbatches pad nothing: the trainer pads rows to data x fsdp x microbatches
+    # the shipped microbatches pad nothing: the trainer pads rows to data x fsdp x expert x microbatches
     batch = cfg.rollout.n_per_task * cfg.rollout.tasks_per_step
     for rows, size in ((batch, cfg.grpo.microbatch_size), (cfg.sft.batch_size, cfg.sft.microbatch_size)):
         microbatches = rows // size if size else 1
-        assert rows % (data * fsdp * microbatches) == 0, (rows, size, data * fsdp)
+        assert rows % (data * fsdp * expert * microbatches) == 0, (rows, size, data * fsdp * expert)
 
 
 @pytest.mark.skipif(not topology.libtpu_available(), reason='libtpu (the TPU compiler) is not installed: pip install -e ".[tpu]"')
