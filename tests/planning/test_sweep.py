@@ -64,6 +64,18 @@ def test_lower_bound_terms(devices):
 
 
 @NEEDS_LIBTPU
+def test_lower_bound_of_a_mixture_of_experts_holds_a_layer_s_expert_token_copies(devices):
+    settings = PlanSettings(batch=8, seq=64, grpo=GRPOConfig(microbatch_size=4, length_buckets=(64,)))
+    moe = TINY.replace(num_experts=16, num_experts_per_tok=8, moe_intermediate_size=32)
+    bound = lower_bound(moe, {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 2}, devices, settings)
+    # 1 row of 64 tokens a device, each copied to its 8 experts: [512, 64] bfloat16, more than the
+    # logits ([64, 256] bfloat16), which it replaces as the transient held at once
+    assert bound["expert token copies"] == 64 * 8 * 64 * 2 > 64 * 256 * 2
+    assert "LM-head logits" not in bound
+    assert "expert token copies" not in lower_bound(TINY, {"data": 1, "fsdp": 4, "tensor": 1}, devices, settings)
+
+
+@NEEDS_LIBTPU
 def test_sweep_ranks_prunes_and_writes(devices, tmp_path):
     # 9M float32 params: weights, two moments and the reference are 142 MB per replica, more than
     # the 110 MB per device given, so data=4 (a whole replica per device) is pruned before
