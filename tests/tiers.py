@@ -220,4 +220,6 @@ SLOW = {
     "tests/rl/test_routing_replay.py::test_the_first_pass_ratio_deviation_with_and_without_replay": 108,
     "tests/rl/test_routing_replay.py::test_with_replay_the_trainer_s_logprobs_are_the_engine_s[shared-prefix-padded]": 25,
     "tests/rl/test_routing_replay.py::test_with_replay_the_trainer_s_logprobs_are_the_engine_s[shared-prefix-packed]": 24,
+    # the rollout loop's trajectories carry the engine's experts (a tiny MoE with the real vocabulary)
+    "tests/agent/test_rollout_experts.py": 55,
 }

@@ -128,7 +128,7 @@ def test_experts_are_recorded_only_when_asked_and_only_for_a_mixture_of_experts(
 
 @pytest.mark.parametrize("record", [False, True], ids=["plain", "recording"])
 def test_warmup_compiles_every_program_a_mixture_of_experts_then_uses(params, record):
-    engine = Engine(params, CFG, num_slots=4, max_len=96, stop_ids=(), decode_chunk=4, page_size=16,
+    engine = Engine(params, CFG, num_slots=4, max_len=400, stop_ids=(), decode_chunk=4, page_size=16,
                     max_extend_tokens=64, record_experts=record)
     count = engine.warmup()
     sizes = lambda: (engine._programs.decode.jitted._cache_size(), engine._programs.extend.jitted._cache_size())

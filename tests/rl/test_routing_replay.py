@@ -120,5 +120,10 @@ def test_routing_replay_is_off_by_default_and_needs_a_mixture_of_experts(setup):
         make_layout(mesh, dense, GRPOConfig(routing_replay=True), batch_size=4, max_context=LENGTH, temperature=1.0,
                     prompt_prefix=0)
     grpo = GRPOConfig(routing_replay=True, length_buckets=(LENGTH,))
+    layout = make_layout(mesh, CFG, grpo, batch_size=4, max_context=LENGTH, temperature=1.0, prompt_prefix=0)
+    declared = layout.abstract_batch(mesh)["routing"]  # what the planner compiles
+    assert declared.shape == (4, LENGTH, CFG.num_layers, CFG.num_experts_per_tok) and declared.dtype == np.uint8
+    assert "routing" not in make_layout(mesh, CFG, GRPOConfig(), batch_size=4, max_context=LENGTH, temperature=1.0,
+                                        prompt_prefix=0).abstract_batch(mesh)
     with pytest.raises(ValueError, match="no experts for grpo.routing_replay"):
         layout_batch(mesh, [dataclasses.replace(trajectories[0], experts=None)] + trajectories[1:], grpo, 0)
