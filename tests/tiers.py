@@ -215,6 +215,8 @@ SLOW = {
     "tests/engine/test_moe_engine.py::test_recorded_experts_are_the_plain_forwards_for_every_cached_token[paged]": 42,
     "tests/engine/test_moe_engine.py::test_recorded_experts_are_the_plain_forwards_for_every_cached_token[token-tiles]": 29,
     "tests/engine/test_packed_extends.py::test_with_token_tiles_a_mixture_of_experts_conversation_is_bitwise_the_same_beside_63_others[reference]": 24,
+    "tests/engine/test_moe_engine.py::test_a_mixture_of_experts_programs_compile_on_the_pallas_path_for_a_tpu_topology": 26,
+    "tests/engine/test_moe_engine.py::test_warmup_compiles_every_program_a_mixture_of_experts_then_uses[plain]": 71,
     # --- routing replay (seconds at load ~9). Default tier: the trainer's logprobs equal the
     # engine's with replay and differ without, padded and packed rows; the config key.
     "tests/rl/test_routing_replay.py::test_the_first_pass_ratio_deviation_with_and_without_replay": 108,

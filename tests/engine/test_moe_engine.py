@@ -3,6 +3,11 @@
 paged decode, token tiles, fixed rows), and with `record_experts` it returns each cached
 token's chosen experts: those the plain forward over the whole conversation chooses, across
 turns, a shared prefix and preemption."""
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +16,8 @@ import pytest
 from muajax import parallel
 from muajax.engine.engine import Engine, SamplingParams
 from muajax.models.qwen3 import forward
+from muajax.planning.topology import libtpu_available
+from tests.support import workers
 from tests.support.tiny_models import MOE_CONFIG, engine_params, random_ids
 
 CFG = MOE_CONFIG.replace(vocab_size=500)
@@ -140,4 +147,23 @@ def test_warmup_compiles_every_program_a_mixture_of_experts_then_uses(params, re
         for slot in slots:
             engine.release(slot)
     assert sizes() == before  # no call compiled anything new
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu (the TPU compiler) is not installed")
+def test_a_mixture_of_experts_programs_compile_on_the_pallas_path_for_a_tpu_topology():
+    """The real TPU compiler (libtpu, no TPU needed) compiles a mixture of experts' decode and
+    extend with the kernel on v5p:2x2x1, plain and recording experts (uint8 [rows, steps or
+    width, layers, k] out), with and without token tiles."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")  # other processes on this host may hold libtpu
+    proc = subprocess.run([sys.executable, workers.path("tpu_moe_compile_checks.py"), "v5p:2x2x1"], check=False,
+                          env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found) == 8 and all(facts["kernel"] for facts in found.values())
+    for name, facts in found.items():
+        experts = [shape for shape, dtype in facts["outputs"] if dtype == "uint8"]
+        want = {"decode": [[32, 4, 2, 2]], "extend_64x64": [[128, 64, 2, 2]]}[name.split()[0]]
+        assert experts == (want if name.endswith("record") else []), name
 
