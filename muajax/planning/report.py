@@ -126,11 +126,12 @@ def comparison(this: dict, other: dict) -> dict:
     keys = ("devices", "per_device_bytes", "fits", "step_s", "rollout_s", "update_s", "tokens_per_s_per_chip")
     pick = lambda d: {k: d.get(k) for k in keys} | {"model": d.get("model"), "topology": d.get("topology")}
     mine, theirs = pick(this), pick(other)
+    timed = lambda d: bool(d.get("step_s")) and d.get("fits") is not False  # a step that cannot run has no time
     describe = lambda d: (f"{d['model']} on {d['topology']} ({d['devices']} chips): peak {fmt_bytes(d['per_device_bytes'])}"
                           f" a device, fits {str(d['fits']).lower()}" + (
                               f", step {d['step_s']:.2f} s (rollout {d['rollout_s']:.2f}, update {d['update_s']:.2f}), "
-                              f"{d['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip" if d["step_s"] else ""))
-    ratio = this["step_s"] / other["step_s"] if this.get("step_s") and other.get("step_s") else None
+                              f"{d['tokens_per_s_per_chip']:.1f} sampled tokens/s/chip" if timed(d) else ""))
+    ratio = this["step_s"] / other["step_s"] if timed(this) and timed(other) else None
     line = f"this plan: {describe(mine)}\nbeside:    {describe(theirs)}" + (
         f"\nstep ratio {ratio:.2f} (this / beside)" if ratio else "")
     return {"this": mine, "other": theirs, "step_ratio": ratio, "line": line}

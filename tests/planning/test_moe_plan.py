@@ -38,6 +38,9 @@ def test_a_plan_beside_another_names_both_and_the_step_ratio():
     # a plan without a step (no rollout profile): memory only, no ratio
     bare = comparison({**moe, "step_s": None}, dense)
     assert bare["step_ratio"] is None and "step" not in bare["line"].splitlines()[0]
+    # nor one that does not fit (its update never compiled: the step would be its rollout alone)
+    too_big = comparison({**moe, "fits": False}, dense)
+    assert too_big["step_ratio"] is None and "fits false" in too_big["line"] and "step" not in too_big["line"].split("\n")[0]
 
 
 def test_one_row_per_batch_device_counts_the_expert_axis():
