@@ -192,14 +192,12 @@ def floor_growth(hf_model, args, result: dict) -> dict:
     as the engine decodes. A step must read the cache, so a turn's cost grows with its
     history on any engine; how much is the box's (its caches and memory against its
     arithmetic): `per_turn_growth_over_floor` is what the engine adds. The turn's extend
-    (a small share of it) is not in the floor. The floor's cached keys are laid out by position,
-    [K, H, positions], as the engine's decode cache (the layout XLA:CPU reads faster)."""
+    (a small share of it) is not in the floor."""
     from muajax.bench import model_floor
 
     k = max(1, min(3, args.turns // 2))
     turns = {"first": 0, "last": args.turns - 1, "first3": (k - 1) // 2, "last3": args.turns - 1 - (k - 1) // 2}
     weights, shape = model_floor.model_weights(hf_model), model_floor.model_shape(hf_model.config)
-    shape = shape._replace(keys_by_position=True)  # the engine's decode cache layout, XLA:CPU's faster
     calls = -(-args.new // args.decode_chunk)
     programs = {name: model_floor.xla_model_step(weights, shape, args.batch, decode_context(args, turn),
                                                  args.decode_chunk, calls)

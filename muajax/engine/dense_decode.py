@@ -13,13 +13,6 @@ The copy is XLA's for one or two rows (decode steps at 1280 positions, per row: 
 place against 1.3 ms with the tail at one row, 1.5 against 1.3 at two); at eight rows the
 in-place write costs nothing extra and the tail's own small ops cost about 0.6 ms a step
 (9.1 against 12.0 ms), so `programs._decode_reference` takes the tail up to TAIL_MAX_ROWS.
-
-Both forms read keys laid out positions-last, [.., K, H, positions] (`kv_cache.gather_dense`
-with `keys_last`): XLA:CPU's scores dot, one query per row against every cached key, runs
-35-45% faster over them than over [.., K, positions, H]. Values keep the model's layout,
-which the probabilities' dot already reads fastest. Above TAIL_MAX_ROWS the step writes into
-the gathered cache through `in_place_attention`, the model's cache write and attention for
-that layout.
 """
 from __future__ import annotations
 
@@ -46,18 +39,17 @@ class TailIndex(NamedTuple):
 
 
 def empty_tail(spec: PoolSpec, rows: int, width: int, per_layer: bool) -> KVCache:
-    """Zero keys [R, K, H, width] and values [R, K, width, H] per layer, laid out like the dense prefix."""
+    """Zero keys and values for `width` positions per row, laid out like the dense prefix."""
     c = spec.cfg
-    shapes = (rows, c.num_kv_heads, c.head_dim, width), (rows, c.num_kv_heads, width, c.head_dim)
+    shape = (rows, c.num_kv_heads, width, c.head_dim)
     lengths = jnp.zeros((rows,), jnp.int32)
     if per_layer:
-        k, v = (tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers)) for shape in shapes)
-        return KVCache(k, v, lengths)
-    k, v = (jnp.zeros((c.num_layers, *shape), c.compute_dtype) for shape in shapes)
+        zeros = tuple(jnp.zeros(shape, c.compute_dtype) for _ in range(c.num_layers))
+        return KVCache(zeros, zeros, lengths)
+    zeros = jnp.zeros((c.num_layers, *shape), c.compute_dtype)
     if spec.mesh is not None:
-        sharding = spec.sharding(kv_cache.dense_spec(spec, False).k)
-        k, v = (jax.lax.with_sharding_constraint(x, sharding) for x in (k, v))
-    return KVCache(k, v, lengths)
+        zeros = jax.lax.with_sharding_constraint(zeros, spec.sharding(kv_cache.dense_spec(spec, False).k))
+    return KVCache(zeros, zeros, lengths)
 
 
 def step_context(cfg: Qwen3Config, prefix_len, lengths, active, width: int) -> AttentionContext:
@@ -68,90 +60,55 @@ def step_context(cfg: Qwen3Config, prefix_len, lengths, active, width: int) -> A
     return AttentionContext(q_index, None, None, cos, sin, pages=TailIndex(prefix_len, write))
 
 
-def _attend(q, keys_and_values, masks):
-    """`xla_attention`'s float32 scores, masking and one softmax, over several (keys
-    [R, K, H, S], values [R, K, S, H]) parts with masks [R, T, S] of allowed positions."""
-    rows, t, n, h = q.shape
-    kv = keys_and_values[0][0].shape[1]
-    dt = q.dtype
-    grouped = q.reshape(rows, t, kv, n // kv, h)
-    scores = [jnp.einsum("BTKGH,BKHS->BKGTS", grouped, keys.astype(dt), preferred_element_type=jnp.float32)
-              * (h**-0.5) for keys, _ in keys_and_values]
-    scores = jnp.concatenate([jnp.where(m[:, None, None], s, NEG) for s, m in zip(scores, masks)], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out, start = 0, 0
-    for _, values in keys_and_values:
-        width = values.shape[2]
-        out = out + jnp.einsum("BKGTS,BKSH->BKGTH", probs[..., start:start + width], values.astype(dt))
-        start += width
-    return out.transpose(0, 3, 1, 2, 4).reshape(rows, t, n, h)
-
-
-def _layer_of(layer, *arrays):
-    return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in arrays)
-
-
 def tail_attention(q, k, v, state, layer, ctx: AttentionContext):
-    """The `cache_attention` hook (see `muajax.models.qwen3.DecoderLayer`) up to TAIL_MAX_ROWS.
+    """The `cache_attention` hook (see `muajax.models.qwen3.DecoderLayer`).
 
-    q [R, 1, N, H], k, v [R, 1, K, H]; `state` = (prefix k, prefix v, tail k, tail v), keys
-    [R, K, H, S] and values [R, K, S, H] (one layer's, the unrolled path), or stacked [L, ...]
-    (`layer` picks). One softmax over the prefix and the tail together."""
+    q [R, 1, N, H], k, v [R, 1, K, H]; `state` = (prefix k, prefix v, tail k, tail v), each
+    [R, K, S, H] (one layer's, the unrolled path) or [L, R, K, S, H] (stacked: `layer` picks).
+    The same float32 scores, masking and softmax as `xla_attention`, over the concatenation."""
     prefix_k, prefix_v, tail_k, tail_v = state
+    stacked = prefix_k.ndim == 5
     index: TailIndex = ctx.pages
-    at, write = jnp.arange(q.shape[0])[:, None], index.write[:, None]
-    new_k, new_v = (x[:, 0].astype(tail_k.dtype) for x in (k, v))  # [R, K, H]
-    lead = (layer,) if prefix_k.ndim == 5 else ()
-    tail_k = tail_k.at[(*lead, at, slice(None), slice(None), write)].set(new_k[:, None], mode="drop")
-    tail_v = tail_v.at[(*lead, at, slice(None), write)].set(new_v[:, None], mode="drop")
-    parts = (prefix_k, prefix_v, tail_k, tail_v)
-    pk, pv, tk, tv = _layer_of(layer, *parts) if lead else parts
-    prefix_ok = jnp.arange(pv.shape[2])[None, :] < index.prefix_len[:, None]
-    tail_ok = jnp.arange(tv.shape[2])[None, :] <= index.write[:, None]
-    out = _attend(q, ((pk, pv), (tk, tv)), (prefix_ok[:, None], tail_ok[:, None]))
-    return out, (prefix_k, prefix_v, tail_k, tail_v)
+    rows, _, n, h = q.shape
+    kv = k.shape[2]
+    width = tail_k.shape[-2]
+    at = jnp.arange(rows)[:, None]
+    write = index.write[:, None]
+    new_k, new_v = (x.transpose(0, 2, 1, 3).astype(tail_k.dtype)[:, :, 0] for x in (k, v))  # [R, K, H]
+    if stacked:
+        tail_k = tail_k.at[layer, at, :, write].set(new_k[:, None], mode="drop")
+        tail_v = tail_v.at[layer, at, :, write].set(new_v[:, None], mode="drop")
+        pk, pv, tk, tv = (jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+                          for x in (prefix_k, prefix_v, tail_k, tail_v))
+    else:
+        tail_k = tail_k.at[at, :, write].set(new_k[:, None], mode="drop")
+        tail_v = tail_v.at[at, :, write].set(new_v[:, None], mode="drop")
+        pk, pv, tk, tv = prefix_k, prefix_v, tail_k, tail_v
+    dt = q.dtype
+    grouped = q.reshape(rows, 1, kv, n // kv, h)
+    scores = [jnp.einsum("BTKGH,BKSH->BKGTS", grouped, keys.astype(dt), preferred_element_type=jnp.float32)
+              * (h**-0.5) for keys in (pk, tk)]
+    prefix_ok = jnp.arange(pk.shape[2])[None, :] < index.prefix_len[:, None]
+    tail_ok = jnp.arange(width)[None, :] <= index.write[:, None]
+    masks = (prefix_ok, tail_ok)
+    scores = jnp.concatenate([jnp.where(m[:, None, None, None, :], s, NEG) for s, m in zip(scores, masks)], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    split = pk.shape[2]
+    out = (jnp.einsum("BKGTS,BKSH->BKGTH", probs[..., :split], pv.astype(dt))
+           + jnp.einsum("BKGTS,BKSH->BKGTH", probs[..., split:], tv.astype(dt)))
+    return out.transpose(0, 3, 1, 2, 4).reshape(rows, 1, n, h), (prefix_k, prefix_v, tail_k, tail_v)
 
 
-def in_place_attention(q, k, v, state, layer, ctx: AttentionContext):
-    """The `cache_attention` hook above TAIL_MAX_ROWS: the model's cache write and attention
-    (`_write_cache`, `xla_attention`) over keys [R, K, H, S] and values [R, K, S, H], one
-    layer's or stacked [L, ...]. `ctx` is the model's cache context (q_index, kv_valid, write_index)."""
-    keys, values = state
-    at = jnp.arange(q.shape[0])[:, None]
-    lead = (layer,) if keys.ndim == 5 else ()
-    keys = keys.at[(*lead, at, slice(None), slice(None), ctx.write_index)].set(k.astype(keys.dtype), mode="drop")
-    values = values.at[(*lead, at, slice(None), ctx.write_index)].set(v.astype(values.dtype), mode="drop")
-    lk, lv = _layer_of(layer, keys, values) if lead else (keys, values)
-    allowed = (jnp.arange(lv.shape[2])[None, None, :] <= ctx.q_index[:, :, None]) & ctx.kv_valid[:, None, :]
-    return _attend(q, ((lk, lv),), (allowed,)), (keys, values)
-
-
-def model(cfg: Qwen3Config, hook=tail_attention) -> Qwen3:
-    return Qwen3(cfg, cache_attention=hook)
+def model(cfg: Qwen3Config) -> Qwen3:
+    return Qwen3(cfg, cache_attention=tail_attention)
 
 
 def run_step(cfg: Qwen3Config, params, layer_params, prefix: KVCache, tail: KVCache, last, lengths, active):
     """One decode step for every row: logits [R, V] at `last` [R], and the tail updated."""
-    width = tail.max_len
+    width = (tail.k[0] if tail.per_layer else tail.k).shape[-2]
     ctx = step_context(cfg, prefix.lengths, lengths, active, width)
     zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
     state = (prefix.k, prefix.v, tail.k, tail.v)
     logits, (_, _, tail_k, tail_v) = model(cfg).apply({"params": params}, last[:, None], ctx, state, zeros, False,
                                                        True, layer_params)
     return logits[:, 0], KVCache(tail_k, tail_v, tail.lengths)
-
-
-def run_in_place_step(cfg: Qwen3Config, params, layer_params, dense: KVCache, last, num_new):
-    """One decode step writing into the gathered cache itself (keys positions-last): logits
-    [R, V] of `last` [R] at each row's `dense.lengths`, and the cache with `num_new` [R] (0 or 1)
-    tokens more. The context `muajax.models.qwen3.forward` builds for a cache."""
-    q_index = dense.lengths[:, None]
-    new_lengths = dense.lengths + num_new
-    write_index = jnp.where(num_new[:, None] > 0, q_index, dense.max_len)  # not running: dropped
-    kv_valid = jnp.arange(dense.max_len)[None, :] < new_lengths[:, None]
-    cos, sin = rope_tables(q_index, cfg.head_dim, cfg.rope_theta, cfg.compute_dtype)
-    ctx = AttentionContext(q_index, kv_valid, write_index, cos, sin)
-    zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
-    logits, (k, v) = model(cfg, in_place_attention).apply({"params": params}, last[:, None], ctx,
-                                                           (dense.k, dense.v), zeros, False, True, layer_params)
-    return logits[:, 0], KVCache(k, v, new_lengths)

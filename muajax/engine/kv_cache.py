@@ -128,9 +128,7 @@ def put_tokens(pool: jax.Array, layer, kv: jax.Array, slots: jax.Array) -> jax.A
     return flat.at[layer, rows].set(values, mode="drop").reshape(pool.shape)
 
 
-def _gather_local(dense_pages: int, per_layer: bool, pool, page_table, lengths, keys_last: bool = False) -> KVCache:
-    """`keys_last`: keys [.., K, H, n * S] (positions last, the layout the decode's scores dot
-    reads fastest on CPU, see `gather_dense`); values always [.., K, n * S, H]."""
+def _gather_local(dense_pages: int, per_layer: bool, pool, page_table, lengths) -> KVCache:
     layers, pages, size, heads, dim = pool.shape
     rows, kv_heads = page_table.shape[0], heads // 2
     flat = pool.reshape(layers * pages, size, heads, dim)  # a bitcast: no layer is sliced out
@@ -141,14 +139,14 @@ def _gather_local(dense_pages: int, per_layer: bool, pool, page_table, lengths, 
         return tuple(jnp.swapaxes(g[..., j, :], -2, -3) for j in (0, 1))
 
     if per_layer:
-        ks, vs = _gather_rows(flat.reshape(layers * pages, size, kv_heads, 2, dim), index, layers, pages, keys_last)
+        ks, vs = _gather_rows(flat.reshape(layers * pages, size, kv_heads, 2, dim), index, layers, pages)
         return KVCache(ks, vs, lengths)
     k, v = split(flat[index[None] + (jnp.arange(layers, dtype=jnp.int32) * pages)[:, None, None]])
-    return KVCache(jnp.swapaxes(k, -1, -2) if keys_last else k, v, lengths)
+    return KVCache(k, v, lengths)
 
 
-def _gather_rows(pages, index, layers: int, pages_per_layer: int, keys_last: bool = False):
-    """Per layer, keys and values [R, K, n * S, H] (keys [R, K, H, n * S] with `keys_last`) of each row's pages `index` [R, n] in
+def _gather_rows(pages, index, layers: int, pages_per_layer: int):
+    """Per layer, keys and values [R, K, n * S, H] of each row's pages `index` [R, n] in
     `pages` [layers * pages_per_layer, S, K, 2, H]. A scan over the rows: each row's pages of
     a layer (n * S * 2K * H values, a few hundred KB) are gathered and transposed into the
     attention's layout while they are in cache. Gathering every row's pages first and then
@@ -163,29 +161,23 @@ def _gather_rows(pages, index, layers: int, pages_per_layer: int, keys_last: boo
         for layer in range(layers):
             g = pages[ids + layer * pages_per_layer].reshape(n * size, kv_heads, 2, dim)
             kv = jnp.transpose(g, (2, 1, 0, 3))  # [2, K, n * S, H]
-            keys = jnp.transpose(g[:, :, 0], (1, 2, 0)) if keys_last else kv[0]
-            out += [keys, kv[1]]
+            out += [kv[0], kv[1]]
         return None, tuple(out)
 
     _, per_row = jax.lax.scan(row, None, index)  # each [R, K, n * S, H]
     return per_row[0::2], per_row[1::2]
 
 
-def _scatter_local(width: int, page_size: int, from_start: bool, keys_last: bool, pool, dense: KVCache, page_table,
-                   start, count):
+def _scatter_local(width: int, page_size: int, from_start: bool, pool, dense: KVCache, page_table, start, count):
     first = start if from_start else jnp.zeros_like(start)
     positions = jnp.clip(first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], 0, dense.max_len - 1)
-    at_positions = positions[:, None, :, None]  # [R, 1, W, 1]: along a [R, K, D, H] array's D
-    keys_at = positions[:, None, None, :] if keys_last else at_positions  # keys [R, K, H, D] when keys_last
-    if dense.per_layer:
-        k = jnp.stack([jnp.take_along_axis(x, keys_at, axis=3 if keys_last else 2) for x in dense.k])
-        v = jnp.stack([jnp.take_along_axis(x, at_positions, axis=2) for x in dense.v])
-    else:  # [L, R, ...]
-        k = jnp.take_along_axis(dense.k, keys_at[None], axis=4 if keys_last else 3)
-        v = jnp.take_along_axis(dense.v, at_positions[None], axis=3)
-    # to [L, R, W, K, H]
-    k = jnp.transpose(k, (0, 1, 4, 2, 3)) if keys_last else jnp.swapaxes(k, 2, 3)
-    kv = interleave(k, jnp.swapaxes(v, 2, 3))  # [L, R, W, 2K, H]
+    if dense.per_layer:  # [R, K, D, H] per layer
+        pick = lambda x: jnp.take_along_axis(x, positions[:, None, :, None], axis=2)
+        k, v = jnp.stack([pick(x) for x in dense.k]), jnp.stack([pick(x) for x in dense.v])
+    else:  # [L, R, K, D, H]
+        pick = lambda x: jnp.take_along_axis(x, positions[None, :, None, :, None], axis=3)
+        k, v = pick(dense.k), pick(dense.v)
+    kv = interleave(jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3))  # [L, R, W, 2K, H]
     slots = token_slots(page_table, start, count, width, pool.shape[1], page_size)
     return put_tokens(pool, slice(None), kv, slots)
 
@@ -199,28 +191,20 @@ def dense_spec(spec: PoolSpec, per_layer: bool) -> KVCache:
     return KVCache((kv,) * layers if per_layer else kv, (kv,) * layers if per_layer else kv, spec.rows_spec())
 
 
-def gather_dense(spec: PoolSpec, pool, page_table, lengths, dense_pages: int, per_layer: bool = False,
-                 keys_last: bool = False) -> KVCache:
+def gather_dense(spec: PoolSpec, pool, page_table, lengths, dense_pages: int, per_layer: bool = False) -> KVCache:
     """The first `dense_pages` pages of every row as a dense cache (`KVCache`, lengths =
-    `lengths`): keys and values [layers, R, K, dense_pages * page_size, H], or per layer.
-
-    `keys_last` lays the keys out [.., K, H, positions]: XLA:CPU's decode scores dot (one
-    query per row against every cached key) reads them 35-45% faster than [.., K, positions, H]
-    (8 layers' attention on the bench model: 0.94 against 1.69 ms a step at 8 rows x 256
-    positions, 0.57 against 0.89 at one row x 1280). The decode's dense path uses it
-    (`dense_decode`); the model's own `attention` takes the default layout."""
-    fn = functools.partial(_gather_local, dense_pages, per_layer, keys_last=keys_last)
+    `lengths`): keys and values [layers, R, K, dense_pages * page_size, H], or per layer."""
+    fn = functools.partial(_gather_local, dense_pages, per_layer)
     rows = spec.rows_spec()
     return spec.local(fn, (spec.pool_spec(), spec.rows_spec(2), rows), dense_spec(spec, per_layer))(
         pool, page_table, lengths)
 
 
 def scatter_dense(spec: PoolSpec, pool, dense: KVCache, page_table, start, count, width: int,
-                  from_start: bool = True, keys_last: bool = False):
+                  from_start: bool = True):
     """Write positions [start, start + count) (count <= width) of each row of `dense` into its
-    pages. `from_start=False`: `dense` holds just those tokens, at its positions [0, count).
-    `keys_last`: `dense`'s keys are laid out as `gather_dense(keys_last=True)` gives them."""
-    fn = functools.partial(_scatter_local, width, spec.page_size, from_start, keys_last)
+    pages. `from_start=False`: `dense` holds just those tokens, at its positions [0, count)."""
+    fn = functools.partial(_scatter_local, width, spec.page_size, from_start)
     rows = spec.rows_spec()
     in_specs = (spec.pool_spec(), dense_spec(spec, dense.per_layer), spec.rows_spec(2), rows, rows)
     return spec.local(fn, in_specs, spec.pool_spec())(pool, dense, page_table, start, count)

@@ -38,6 +38,7 @@ from muajax.models.qwen3 import (
     AttentionContext,
     Qwen3,
     Qwen3Config,
+    forward,
     rope_tables,
 )
 from muajax.models.sharding import param_shardings
@@ -217,7 +218,7 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
     Up to `dense_decode.TAIL_MAX_ROWS` rows, the chunk's new tokens go into a tail instead of
     the gathered cache (see dense_decode.py). Never token-tiled: a tiled engine decodes in place."""
     per_layer = layer_params is not None
-    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, per_layer, keys_last=True)
+    dense = kv_cache.gather_dense(spec.pool, pool, page_table, lengths, dense_pages, per_layer)
     if last.shape[0] <= dense_decode.TAIL_MAX_ROWS:
         tail = dense_decode.empty_tail(spec.pool, last.shape[0], spec.decode_chunk, per_layer)
 
@@ -227,15 +228,17 @@ def _decode_reference(spec: ProgramSpec, params, pool, layer_params, page_table,
         tail, out = decode_loop(tail_step, tail, lengths, last, seeds, temperature, top_p, top_k, budget, limit,
                                 stop_ids, steps=spec.decode_chunk, max_len=spec.max_len)
         return kv_cache.scatter_dense(spec.pool, pool, tail, page_table, lengths, out[2], spec.decode_chunk,
-                                      from_start=False, keys_last=True), out
+                                      from_start=False), out
+    zeros = jnp.zeros((last.shape[0], 1), jnp.int32)
 
     def step(dense, last, num_new, lengths):
-        return dense_decode.run_in_place_step(spec.cfg, params, layer_params, dense, last, num_new)
+        logits, dense = forward(params, spec.cfg, last[:, None], cache=dense, num_new=num_new, logits_index=zeros,
+                                layer_params=layer_params)
+        return logits[:, 0], dense
 
     dense, out = decode_loop(step, dense, lengths, last, seeds, temperature, top_p, top_k, budget, limit, stop_ids,
                              steps=spec.decode_chunk, max_len=spec.max_len)
-    return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, out[2], spec.decode_chunk,
-                                  keys_last=True), out
+    return kv_cache.scatter_dense(spec.pool, pool, dense, page_table, lengths, out[2], spec.decode_chunk), out
 
 
 def _tiles(spec: ProgramSpec) -> TokenTiles | None:

@@ -27,8 +27,8 @@ class KVCache(NamedTuple):
     lengths: jax.Array
 
     @property
-    def max_len(self) -> int:  # from the values: the engine's decode may lay keys out positions-last
-        return (self.v[0] if isinstance(self.v, tuple) else self.v).shape[-2]
+    def max_len(self) -> int:
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).shape[-2]
 
     @property
     def per_layer(self) -> bool:
