@@ -81,10 +81,21 @@ class ArchConfig:
     rms_norm_eps: float = bounded(1e-6, gt=0)  # RMSNorm's epsilon
     tie_word_embeddings: bool = True  # the LM head reuses the embedding table
     max_position_embeddings: int = bounded(40960, ge=1)  # the longest sequence; rollout.max_context must fit
+    # A mixture of experts (Qwen3-MoE) when num_experts > 0: every layer's MLP is num_experts
+    # experts of width moe_intermediate_size, each token routed to num_experts_per_tok of them.
+    num_experts: int = bounded(0, ge=0)  # 0: a dense MLP of intermediate_size
+    num_experts_per_tok: int = bounded(0, ge=0)  # experts per token (top k of the router's softmax)
+    moe_intermediate_size: int = bounded(0, ge=0)  # one expert's hidden width
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1 (Qwen3-30B-A3B: true)
+    router_aux_loss_coef: float = bounded(0.001, ge=0)  # the router's load-balancing loss in the training loss
 
     def validate(self) -> None:
         check(self.num_heads % self.num_kv_heads == 0, "num_heads", f"({self.num_heads}) must be a multiple "
               f"of num_kv_heads ({self.num_kv_heads}) for grouped-query attention")
+        if self.num_experts:
+            check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                  f"({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
+            check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive with num_experts > 0")
 
 
 @dataclasses.dataclass(frozen=True)

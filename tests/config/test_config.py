@@ -330,3 +330,18 @@ def test_partial_rollouts_need_an_asynchronous_step():
     with pytest.raises(ConfigError, match=r"rollout.partial.*needs grpo.max_staleness >= 1"):
         load_config(None, ["rollout.partial=true"])
     assert load_config(None, ["rollout.partial=true", "grpo.max_staleness=1"]).rollout.partial
+
+
+def test_an_inline_arch_describes_a_mixture_of_experts():
+    """model.arch takes Qwen3-MoE's fields (a tiny MoE run on CPU) and checks them where written."""
+    from muajax.models.qwen3_config import Qwen3Config
+    moe = "model.arch={num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 32, norm_topk_prob: true}"
+    arch = load_config(None, ["model.hf_dir=null", moe]).model.arch
+    model = Qwen3Config(**dataclasses.asdict(arch))
+    assert model.is_moe and (model.num_experts, model.num_experts_per_tok, model.moe_intermediate_size) == (4, 2, 32)
+    assert model.norm_topk_prob and not Qwen3Config(**dataclasses.asdict(C.ArchConfig())).is_moe
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        load_config(None, ["model.hf_dir=null", "model.arch={num_experts: 4, num_experts_per_tok: 5, "
+                           "moe_intermediate_size: 32}"])
+    with pytest.raises(ConfigError, match="moe_intermediate_size"):
+        load_config(None, ["model.hf_dir=null", "model.arch={num_experts: 4, num_experts_per_tok: 2}"])
