@@ -6,12 +6,12 @@ FFN and the router's load-balancing loss, computing what HF's `Qwen3MoeSparseMoe
   the top `num_experts_per_tok` (or the `forced` ones: routing replay), renormalised with
   `norm_topk_prob`, weights cast back to the compute dtype.
 - `grouped_experts(x, index, weight, gate, up, down)`: each token's k copies sorted by
-  expert, one `jax.lax.ragged_dot` per projection over the groups, SwiGLU, the weights, and
-  each token's k results added in ascending expert order from zero (HF's `index_add_` order).
-  No all-experts compute in the program: on TPU and GPU `ragged_dot` is a grouped matmul.
-  (XLA:CPU has no grouped matmul: jax lowers `ragged_dot` there to a masked dense dot over
-  all groups, so on CPU it costs `num_experts` times the active FLOPs.) A token's output
-  does not depend on the other tokens of the call (tests/models/test_moe.py checks it).
+  expert, one grouped matmul per projection over the groups (`grouped_matmul`: the native
+  `ragged_dot` forward on TPU and GPU, blocks of rows on CPU, and a blocked weight gradient
+  everywhere), SwiGLU, the weights, and each token's k results added in ascending expert
+  order from zero (HF's `index_add_` order). No all-experts compute in the program, forward
+  or backward. A token's output does not depend on the other tokens of the call
+  (tests/models/test_moe.py checks it).
 - `load_balancing_terms(probs, index, valid)` -> (fraction [E], mean_prob [E]) of one layer
   and `load_balancing_loss(fraction [L, E], mean_prob [L, E])`: HF's loss (Switch
   Transformer eq. 4-6), `num_experts * sum(fraction * mean_prob)` with both averaged over all
@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from muajax.models.grouped_matmul import grouped_matmul
 
 
 class Routing(NamedTuple):
@@ -92,9 +94,8 @@ def grouped_experts(x: jax.Array, index: jax.Array, weight: jax.Array, gate: jax
     order = jnp.argsort(flat, stable=True)  # the n*k token copies grouped by expert
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dt), sizes)) * jax.lax.ragged_dot(
-        rows, up.astype(dt), sizes)
-    out = jax.lax.ragged_dot(hidden, down.astype(dt), sizes)
+    hidden = jax.nn.silu(grouped_matmul(rows, gate.astype(dt), sizes)) * grouped_matmul(rows, up.astype(dt), sizes)
+    out = grouped_matmul(hidden, down.astype(dt), sizes)
     out = out * jnp.take(weight.reshape(-1), order)[:, None]
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)
     total = jnp.zeros_like(out[:, 0])
