@@ -21,9 +21,10 @@ TPU topology on this CPU host counts as TPU.
 
 Blocks: each group's rows cut into blocks of `b` rows, `ceil(M / b) + E` blocks in all (a
 static bound: a group of s rows takes ceil(s / b) <= s / b + 1 of them); the ones past the
-groups are empty. A block is one [b, D] x [D, F] dot against its group's weight; rows of the
-block past its group are computed (they are the next group's or padding) but never written
-(forward) or masked to 0 (weight gradient). An empty block skips its dot (`lax.cond`), so a
+groups are empty. A block is one [b, D] x [D, F] dot against its group's weight over b
+consecutive rows (from its first row, or the last b rows of all when that runs past them: no
+padded copy of the operands); its rows outside its group (other groups', or past the groups)
+are computed but never written (forward) or masked to 0 (weight gradient). An empty block skips its dot (`lax.cond`), so a
 run costs the groups' own blocks; a static count (what the planner's HLO analysis counts)
 is the bound, at most (M + (E + 1) * b) rows' worth of FLOPs.
 
@@ -119,9 +120,19 @@ def blocks(group_sizes: jax.Array, rows: int, b: int):
     return group, jnp.clip(first, 0, rows), real
 
 
-def _padded(x: jax.Array, b: int) -> jax.Array:
-    """x with b rows of zeros after it: a block starting at any row <= len(x) is in bounds."""
-    return jnp.concatenate([x, jnp.zeros((b, *x.shape[1:]), x.dtype)])
+def _at_least(x: jax.Array, b: int) -> jax.Array:
+    """x, with rows of zeros after it up to b rows when it has fewer (a block fits)."""
+    short = b - x.shape[0]
+    return x if short <= 0 else jnp.concatenate([x, jnp.zeros((short, *x.shape[1:]), x.dtype)])
+
+
+def _window(first, real, rows: int, b: int):
+    """(where a block's b rows are read and written, [b, 1] which of them are its real rows):
+    the block's first row, moved back so that the window ends by the last row (no copy of the
+    operands with padding rows: at training's sizes that is gigabytes a matmul)."""
+    at = jnp.clip(first, 0, max(rows - b, 0))
+    i = jnp.arange(b, dtype=jnp.int32)[:, None] - (first - at)
+    return at, (i >= 0) & (i < real)
 
 
 def _blocked(lhs, rhs, group_sizes, b: int, transposed: bool = False):
@@ -131,22 +142,22 @@ def _blocked(lhs, rhs, group_sizes, b: int, transposed: bool = False):
     dtype = jnp.result_type(lhs, rhs)
     width = rhs.shape[1] if transposed else rhs.shape[2]
     spec = "bf,df->bd" if transposed else "bd,df->bf"
-    source = _padded(lhs.astype(dtype), b)
+    source = _at_least(lhs.astype(dtype), b)
     weights = rhs.astype(dtype)
-    keep_row = jnp.arange(b, dtype=jnp.int32)[:, None]
 
-    def product(first, group):
-        x = jax.lax.dynamic_slice_in_dim(source, first, b)
+    def product(at, group):
+        x = jax.lax.dynamic_slice_in_dim(source, at, b)
         w = jax.lax.dynamic_index_in_dim(weights, group, keepdims=False)
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(dtype)
 
     def step(out, block):
         group, first, real = block
-        y = jax.lax.cond(real > 0, product, lambda *_: jnp.zeros((b, width), dtype), first, group)
-        old = jax.lax.dynamic_slice_in_dim(out, first, b)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep_row < real, y, old), first, 0), None
+        at, keep = _window(first, real, source.shape[0], b)
+        y = jax.lax.cond(real > 0, product, lambda *_: jnp.zeros((b, width), dtype), at, group)
+        old = jax.lax.dynamic_slice_in_dim(out, at, b)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), at, 0), None
 
-    out, _ = jax.lax.scan(step, jnp.zeros((rows + b, width), dtype), blocks(group_sizes, rows, b))
+    out, _ = jax.lax.scan(step, jnp.zeros((source.shape[0], width), dtype), blocks(group_sizes, rows, b))
     return out[:rows]
 
 
@@ -156,18 +167,18 @@ def _weight_grad(lhs, dout, group_sizes, b: int, num_groups: int):
     rows, d = lhs.shape
     f = dout.shape[1]
     dtype = jnp.result_type(lhs, dout)
-    x_all, dy_all = _padded(lhs.astype(dtype), b), _padded(dout.astype(dtype), b)
-    keep_row = jnp.arange(b, dtype=jnp.int32)[:, None]
+    x_all, dy_all = _at_least(lhs.astype(dtype), b), _at_least(dout.astype(dtype), b)
 
-    def product(first, real):
-        x = jax.lax.dynamic_slice_in_dim(x_all, first, b)
-        dy = jax.lax.dynamic_slice_in_dim(dy_all, first, b)
-        x = jnp.where(keep_row < real, x, jnp.zeros((), dtype))  # the rows of other groups, padding
+    def product(at, keep):
+        x = jax.lax.dynamic_slice_in_dim(x_all, at, b)
+        dy = jax.lax.dynamic_slice_in_dim(dy_all, at, b)
+        x = jnp.where(keep, x, jnp.zeros((), dtype))  # the rows of other groups, padding
         return jnp.einsum("bd,bf->df", x, dy, preferred_element_type=jnp.float32)
 
     def step(acc, block):
         group, first, real = block
-        part = jax.lax.cond(real > 0, product, lambda *_: jnp.zeros((d, f), jnp.float32), first, real)
+        at, keep = _window(first, real, x_all.shape[0], b)
+        part = jax.lax.cond(real > 0, product, lambda *_: jnp.zeros((d, f), jnp.float32), at, keep)
         mine = jax.lax.dynamic_index_in_dim(acc, group, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(acc, mine + part, group, 0), None
 

@@ -33,7 +33,7 @@ def _value_and_grads(fn, lhs, rhs, sizes, dout):
 
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu"])  # blocked forward / native ragged_dot forward
-@pytest.mark.parametrize("block", [None, 8, 16])
+@pytest.mark.parametrize("block", [None, 8, 16, 64])  # 64: more than the 37 rows
 @pytest.mark.parametrize("case", list(SIZES))
 def test_values_and_gradients_are_ragged_dot_s(case, block, platform):
     lhs, rhs, dout = _operands()
