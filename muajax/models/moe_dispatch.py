@@ -14,8 +14,8 @@ With it, under `jax.shard_map` over the mesh in context:
   `grouped_experts` does. Exact: nothing is dropped. The send buffer is static, n*k rows per
   destination (every copy could go to one device), so a device receives expert * n*k rows of
   which n*k are real on average; the padding rows carry expert id E_local, which
-  `grouped_experts` leaves out of its groups (`ragged_dot` gives rows past the groups 0; a
-  grouped-matmul kernel need not compute them, XLA:CPU's masked dense lowering does).
+  `grouped_experts` leaves out of its groups (`grouped_matmul` gives rows past the groups 0;
+  its CPU blocks and weight gradient skip them, XLA:TPU's ragged-dot estimate counts them).
   `jax.lax.ragged_all_to_all` would send only the real rows, but XLA:CPU does not implement
   it (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"),
   and every mesh here must also run on CPU.
