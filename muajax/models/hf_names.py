@@ -72,7 +72,8 @@ def _experts_transpose(w, cfg):  # [E, D, F] <-> [E, F, D]
 
 
 def _read_only(w, cfg):
-    raise NotImplementedError("muajax writes the per-expert layout, not the fused one")
+    raise ValueError("the fused experts layout (gate_up_proj, down_proj) is read only: muajax writes the per-expert "
+                     "layout real Qwen3-MoE checkpoints use, which transformers reads back")
 
 
 @dataclasses.dataclass(frozen=True)
