@@ -174,6 +174,8 @@ SLOW = {
     "tests/bench/test_rollout_profile.py::test_rollout_quick_counts_real_and_computed_positions_in_both_modes": 47,
     "tests/bench/test_engine_benches.py::test_generate_max_len_compares_with_a_short_max_len": 8,
     "tests/bench/test_engine_benches.py::test_multiturn_quick": 8,
+    # the extend floor's program run (default tier: its parity with transformers)
+    "tests/bench/test_extend_floor.py::test_the_extend_floor_program_returns_every_layers_new_keys_and_values": 3,
     "tests/bench/test_engine_benches.py::test_generate_times_the_floor_without_transformers": 15,
     "tests/bench/test_engine_benches.py::test_generate_quick": 8,
     "tests/bench/test_bench_cli.py::test_train_quick_times_muajax_beside_torch_and_another_attention": 13,

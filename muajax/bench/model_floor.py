@@ -99,27 +99,45 @@ def _attend(q, k_new, v_new, keys, values, s: ModelShape):
     return out.reshape(b, s.heads * s.head_dim)
 
 
+def rope_at(positions, s: ModelShape):
+    """cos and sin [..., head_dim] at `positions` (a scalar, or any array of positions)."""
+    import jax.numpy as jnp
+
+    inv = 1.0 / (s.rope_theta ** (jnp.arange(0, s.head_dim, 2, dtype=jnp.float32) / s.head_dim))
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv
+    return tuple(jnp.concatenate([f(angles)] * 2, axis=-1) for f in (jnp.cos, jnp.sin))
+
+
 def step_logits(weights: dict, caches: list, tokens, position, s: ModelShape):
     """The model's step for `tokens` [B] at `position` (a scalar) over `caches` (per layer
     (keys, values) [B, K, position, H]): logits [B, V] and each layer's new (key, value)."""
-    import jax
-    import jax.numpy as jnp
-
-    b = tokens.shape[0]
-    inv = 1.0 / (s.rope_theta ** (jnp.arange(0, s.head_dim, 2, dtype=jnp.float32) / s.head_dim))
-    angles = jnp.asarray(position, jnp.float32) * inv
-    cos, sin = (jnp.concatenate([f(angles)] * 2) for f in (jnp.cos, jnp.sin))
+    cos, sin = rope_at(position, s)
     h, new = weights["embed"][tokens], []
     for w, (keys, values) in zip(weights["layers"], caches):
-        x = _rms(h, w["in_norm"], s.eps)
-        q = _rope(_rms((x @ w["q"]).reshape(b, s.heads, s.head_dim), w["q_norm"], s.eps), cos, sin)
-        k = _rope(_rms((x @ w["k"]).reshape(b, s.kv_heads, s.head_dim), w["k_norm"], s.eps), cos, sin)
-        v = (x @ w["v"]).reshape(b, s.kv_heads, s.head_dim)
-        new.append((k, v))
-        h = h + _attend(q, k, v, keys, values, s) @ w["o"]
-        x = _rms(h, w["post_norm"], s.eps)
-        h = h + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"]
-    return _rms(h, weights["norm"], s.eps) @ weights["head"], new
+        h, kv = layer(w, h, cos, sin, lambda q, k, v: _attend(q, k, v, keys, values, s), s)
+        new.append(kv)
+    return head_logits(weights, h, s), new
+
+
+def head_logits(weights: dict, h, s: ModelShape):
+    """The final norm and the LM head on hidden states h [..., D]: logits [..., V]."""
+    return _rms(h, weights["norm"], s.eps) @ weights["head"]
+
+
+def layer(w: dict, h, cos, sin, attend, s: ModelShape):
+    """One decoder layer on hidden states `h` [..., D] (any leading axes, one token each):
+    the new hidden states and the layer's new (key, value) [..., K, H]. `attend(q, k, v)`
+    gives the attention's output [..., N * H] from q [..., N, H] and k, v [..., K, H]."""
+    import jax
+
+    lead = h.shape[:-1]
+    x = _rms(h, w["in_norm"], s.eps)
+    q = _rope(_rms((x @ w["q"]).reshape(*lead, s.heads, s.head_dim), w["q_norm"], s.eps), cos, sin)
+    k = _rope(_rms((x @ w["k"]).reshape(*lead, s.kv_heads, s.head_dim), w["k_norm"], s.eps), cos, sin)
+    v = (x @ w["v"]).reshape(*lead, s.kv_heads, s.head_dim)
+    h = h + attend(q, k, v) @ w["o"]
+    x = _rms(h, w["post_norm"], s.eps)
+    return h + (jax.nn.silu(x @ w["gate"]) * (x @ w["up"])) @ w["down"], (k, v)
 
 
 def _greedy(logits):

@@ -186,35 +186,51 @@ def decode_context(args, turn: int) -> int:
     return turn * (args.user + args.new) + args.user + (args.new - 1) // 2
 
 
+def turn_history(args, turn: int) -> int:
+    """Positions cached when `turn`'s (0-based) message is extended."""
+    return turn * (args.user + args.new)
+
+
 def floor_growth(hf_model, args, result: dict) -> dict:
-    """The growth the model's own decode step has between the same turns: its whole step in
-    plain XLA (`model_floor`), `batch` rows over each turn's mean decode context, in chunks
-    as the engine decodes. A step must read the cache, so a turn's cost grows with its
-    history on any engine; how much is the box's (its caches and memory against its
-    arithmetic): `per_turn_growth_over_floor` is what the engine adds. The turn's extend
-    (a small share of it) is not in the floor."""
-    from muajax.bench import model_floor
+    """The growth a turn's own work has between the same turns, in plain XLA: the extend of
+    its `user` tokens over its history (`extend_floor`), then `new` decode steps of the whole
+    model (`model_floor`), `batch` rows over the turn's mean decode context, in chunks as the
+    engine decodes. Both read the history, so a turn's cost grows with it on any engine; how
+    much is the box's (its caches and memory against its arithmetic):
+    `per_turn_growth_over_floor` is what the engine adds. `floor_decode_growth` is the decode
+    steps' alone."""
+    from muajax.bench import extend_floor, model_floor
 
     k = max(1, min(3, args.turns // 2))
     turns = {"first": 0, "last": args.turns - 1, "first3": (k - 1) // 2, "last3": args.turns - 1 - (k - 1) // 2}
     weights, shape = model_floor.model_weights(hf_model), model_floor.model_shape(hf_model.config)
     calls = -(-args.new // args.decode_chunk)
-    programs = {name: model_floor.xla_model_step(weights, shape, args.batch, decode_context(args, turn),
-                                                 args.decode_chunk, calls)
+    programs = {("step", name): model_floor.xla_model_step(weights, shape, args.batch, decode_context(args, turn),
+                                                          args.decode_chunk, calls)
                 for name, turn in turns.items()}
-    ms = {name: 1e3 * common.median(times) / (calls * args.decode_chunk)
-          for name, times in common.interleave(programs, warmup=2, repeat=max(5, 5 * args.repeat)).items()}
-    out = {"floor_step_ms": {name: ms[name] for name in ("first", "last")},
+    programs |= {("extend", name): extend_floor.xla_model_extend(weights, shape, args.batch, turn_history(args, turn),
+                                                                args.user)
+                 for name, turn in turns.items()}
+    times = common.interleave(programs, warmup=2, repeat=max(5, 5 * args.repeat))
+    step_ms = {name: 1e3 * common.median(times[("step", name)]) / (calls * args.decode_chunk) for name in turns}
+    extend_ms = {name: 1e3 * common.median(times[("extend", name)]) for name in turns}
+    turn_ms = {name: extend_ms[name] + args.new * step_ms[name] for name in turns}
+    out = {"floor_step_ms": {name: step_ms[name] for name in ("first", "last")},
+           "floor_extend_ms": {name: extend_ms[name] for name in ("first", "last")},
+           "floor_turn_ms": {name: turn_ms[name] for name in ("first", "last")},
            "floor_contexts": {name: decode_context(args, turn) for name, turn in turns.items()},
-           "floor_growth": common.ratio(ms["last"], ms["first"]),
-           "floor_growth_last3_vs_first3": common.ratio(ms["last3"], ms["first3"])}
+           "floor_growth": common.ratio(turn_ms["last"], turn_ms["first"]),
+           "floor_growth_last3_vs_first3": common.ratio(turn_ms["last3"], turn_ms["first3"]),
+           "floor_decode_growth": common.ratio(step_ms["last"], step_ms["first"])}
     out["per_turn_growth_over_floor"] = common.ratio(result["per_turn_growth"], out["floor_growth"])
     out["per_turn_growth_last3_vs_first3_over_floor"] = common.ratio(result["per_turn_growth_last3_vs_first3"],
                                                                      out["floor_growth_last3_vs_first3"])
-    common.log(f"the model's decode step in plain XLA grows x{out['floor_growth']:.2f} from the first turn to the last "
-               f"({ms['first']:.2f} -> {ms['last']:.2f} ms/step; last 3 / first 3 x{out['floor_growth_last3_vs_first3']:.2f}): "
-               f"the engine's growth is x{out['per_turn_growth_over_floor']:.2f} its floor's "
-               f"(x{out['per_turn_growth_last3_vs_first3_over_floor']:.2f} last 3 / first 3)")
+    common.log(f"a turn's own work in plain XLA (extend {args.user} tokens, {args.new} decode steps) grows "
+               f"x{out['floor_growth']:.2f} from the first turn to the last ({turn_ms['first']:.1f} -> "
+               f"{turn_ms['last']:.1f} ms; extend {extend_ms['first']:.1f} -> {extend_ms['last']:.1f} ms, decode step "
+               f"{step_ms['first']:.2f} -> {step_ms['last']:.2f} ms, x{out['floor_decode_growth']:.2f}; last 3 / first 3 "
+               f"x{out['floor_growth_last3_vs_first3']:.2f}): the engine's growth is x{out['per_turn_growth_over_floor']:.2f} "
+               f"its floor's (x{out['per_turn_growth_last3_vs_first3_over_floor']:.2f} last 3 / first 3)")
     return out
 
 

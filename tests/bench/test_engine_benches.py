@@ -107,12 +107,18 @@ def test_multiturn_quick():
     config = result["config"]
     assert result["floor_contexts"]["first"] == config["user"] + (config["new"] - 1) // 2
     assert result["floor_contexts"]["last"] == (turns - 1) * (config["user"] + config["new"]) + result["floor_contexts"]["first"]
-    assert positive(result["floor_step_ms"]["first"]) and positive(result["floor_step_ms"]["last"])
-    assert math.isclose(result["floor_growth"], result["floor_step_ms"]["last"] / result["floor_step_ms"]["first"],
+    # and the turn's extend over each turn's history: a turn is an extend and `new` decode steps
+    for end in ("first", "last"):
+        assert positive(result["floor_step_ms"][end]) and positive(result["floor_extend_ms"][end])
+        assert math.isclose(result["floor_turn_ms"][end],
+                            result["floor_extend_ms"][end] + config["new"] * result["floor_step_ms"][end], rel_tol=1e-9)
+    assert math.isclose(result["floor_growth"], result["floor_turn_ms"]["last"] / result["floor_turn_ms"]["first"],
                         rel_tol=1e-9)
+    assert math.isclose(result["floor_decode_growth"],
+                        result["floor_step_ms"]["last"] / result["floor_step_ms"]["first"], rel_tol=1e-9)
     assert math.isclose(result["per_turn_growth_over_floor"], result["per_turn_growth"] / result["floor_growth"],
                         rel_tol=1e-9)
-    assert "plain XLA grows" in stdout
+    assert "a turn's own work in plain XLA" in stdout
 
 
 def test_generate_max_len_compares_with_a_short_max_len():
