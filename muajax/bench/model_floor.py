@@ -190,3 +190,29 @@ def xla_model_step(weights: dict, shape: ModelShape, batch: int, context: int, s
 
     run.program, run.args = program, (w, caches, tokens)
     return run
+
+
+def xla_stream_step(weights: dict, shape: ModelShape, batch: int, context: int, calls: int = 1):
+    """A callable reading, `calls` times, the bytes a decode step must read: every weight it
+    multiplies (the layers' and the head's; the embedding is one row) and `batch` rows of keys
+    and values over `context` positions, each array summed once. The box's streaming rate sets
+    its time, with no arithmetic worth the name: how a decode step's cost could grow with the
+    history if attention read the cache as fast as memory gives it. Divide by `calls`."""
+    import jax
+    import jax.numpy as jnp
+
+    arrays = [jax.device_put(a) for layer in weights["layers"] for a in layer.values()]
+    arrays += [jax.device_put(weights[k]) for k in ("norm", "head")]
+    rng = np.random.RandomState(0)
+    cache_shape = (batch, shape.kv_heads, context, shape.head_dim)
+    arrays += [jax.device_put(rng.randn(*cache_shape).astype(np.float32)) for _ in range(2 * len(weights["layers"]))]
+    program = jax.jit(lambda arrays: sum(jnp.sum(a) for a in arrays))
+
+    def run():
+        out = None
+        for _ in range(calls):
+            out = common.block(program(arrays))
+        return out
+
+    run.program, run.args = program, (arrays,)
+    return run

@@ -191,6 +191,9 @@ def turn_history(args, turn: int) -> int:
     return turn * (args.user + args.new)
 
 
+STREAM_CALLS = 8  # reads of a decode step's bytes per timed sample of the stream floor
+
+
 def floor_growth(hf_model, args, result: dict) -> dict:
     """The growth a turn's own work has between the same turns, in plain XLA: the extend of
     its `user` tokens over its history (`extend_floor`), then `new` decode steps of the whole
@@ -198,7 +201,8 @@ def floor_growth(hf_model, args, result: dict) -> dict:
     engine decodes. Both read the history, so a turn's cost grows with it on any engine; how
     much is the box's (its caches and memory against its arithmetic):
     `per_turn_growth_over_floor` is what the engine adds. `floor_decode_growth` is the decode
-    steps' alone."""
+    steps' alone, and `stream_step_growth` that of only reading a step's bytes (`model_floor.
+    xla_stream_step`): the physical floor of a decode step's growth on this box's memory."""
     from muajax.bench import extend_floor, model_floor
 
     k = max(1, min(3, args.turns // 2))
@@ -211,8 +215,12 @@ def floor_growth(hf_model, args, result: dict) -> dict:
     programs |= {("extend", name): extend_floor.xla_model_extend(weights, shape, args.batch, turn_history(args, turn),
                                                                 args.user)
                  for name, turn in turns.items()}
+    programs |= {("stream", name): model_floor.xla_stream_step(weights, shape, args.batch, decode_context(args, turn),
+                                                              STREAM_CALLS)
+                 for name, turn in turns.items()}
     times = common.interleave(programs, warmup=2, repeat=max(5, 5 * args.repeat))
     step_ms = {name: 1e3 * common.median(times[("step", name)]) / (calls * args.decode_chunk) for name in turns}
+    stream_ms = {name: 1e3 * common.median(times[("stream", name)]) / STREAM_CALLS for name in turns}
     extend_ms = {name: 1e3 * common.median(times[("extend", name)]) for name in turns}
     turn_ms = {name: extend_ms[name] + args.new * step_ms[name] for name in turns}
     out = {"floor_step_ms": {name: step_ms[name] for name in ("first", "last")},
@@ -221,7 +229,9 @@ def floor_growth(hf_model, args, result: dict) -> dict:
            "floor_contexts": {name: decode_context(args, turn) for name, turn in turns.items()},
            "floor_growth": common.ratio(turn_ms["last"], turn_ms["first"]),
            "floor_growth_last3_vs_first3": common.ratio(turn_ms["last3"], turn_ms["first3"]),
-           "floor_decode_growth": common.ratio(step_ms["last"], step_ms["first"])}
+           "floor_decode_growth": common.ratio(step_ms["last"], step_ms["first"]),
+           "stream_step_ms": {name: stream_ms[name] for name in ("first", "last")},
+           "stream_step_growth": common.ratio(stream_ms["last"], stream_ms["first"])}
     out["per_turn_growth_over_floor"] = common.ratio(result["per_turn_growth"], out["floor_growth"])
     out["per_turn_growth_last3_vs_first3_over_floor"] = common.ratio(result["per_turn_growth_last3_vs_first3"],
                                                                      out["floor_growth_last3_vs_first3"])
@@ -231,6 +241,9 @@ def floor_growth(hf_model, args, result: dict) -> dict:
                f"{step_ms['first']:.2f} -> {step_ms['last']:.2f} ms, x{out['floor_decode_growth']:.2f}; last 3 / first 3 "
                f"x{out['floor_growth_last3_vs_first3']:.2f}): the engine's growth is x{out['per_turn_growth_over_floor']:.2f} "
                f"its floor's (x{out['per_turn_growth_last3_vs_first3_over_floor']:.2f} last 3 / first 3)")
+    common.log(f"reading a decode step's bytes alone (weights, and the cache at the turn's mean context) takes "
+               f"{stream_ms['first']:.2f} -> {stream_ms['last']:.2f} ms, x{out['stream_step_growth']:.2f}: the growth of "
+               f"a step whose attention read the cache at the box's streaming rate")
     return out
 
 

@@ -119,6 +119,10 @@ def test_multiturn_quick():
     assert math.isclose(result["per_turn_growth_over_floor"], result["per_turn_growth"] / result["floor_growth"],
                         rel_tol=1e-9)
     assert "a turn's own work in plain XLA" in stdout
+    # the stream floor: only reading a step's bytes, at the same contexts
+    assert all(positive(result["stream_step_ms"][end]) for end in ("first", "last"))
+    assert math.isclose(result["stream_step_growth"], result["stream_step_ms"]["last"] / result["stream_step_ms"]["first"],
+                        rel_tol=1e-9)
 
 
 def test_generate_max_len_compares_with_a_short_max_len():

@@ -55,3 +55,18 @@ def test_the_floor_program_runs_greedy_steps_and_returns_logprobs(hf_checkpoint)
         logits, _ = model_floor.step_logits(w, caches, tokens, 4, shape)
         tokens = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(token), tokens)
+
+
+def test_the_stream_floor_reads_every_byte_a_decode_step_reads_and_sums_them(hf_checkpoint):
+    """Every weight the step multiplies (not the embedding, of which a step reads one row)
+    and each layer's keys and values over the context: a missing array would make the floor
+    of a step's growth a floor for a lighter step."""
+    hf = load_hf_model(hf_checkpoint())
+    shape, weights = model_floor.model_shape(hf.config), model_floor.model_weights(hf)
+    batch, context = 2, 9
+    run = model_floor.xla_stream_step(weights, shape, batch, context)
+    (arrays,) = run.args
+    layer_bytes = sum(a.nbytes for layer in weights["layers"] for a in layer.values())
+    cache_bytes = 2 * len(weights["layers"]) * batch * shape.kv_heads * context * shape.head_dim * 4
+    assert sum(a.nbytes for a in arrays) == layer_bytes + weights["norm"].nbytes + weights["head"].nbytes + cache_bytes
+    np.testing.assert_allclose(float(run()), sum(float(np.sum(np.asarray(a, np.float64))) for a in arrays), rtol=1e-4)
