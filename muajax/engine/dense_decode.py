@@ -62,11 +62,11 @@ def step_context(cfg: Qwen3Config, prefix_len, lengths, active, width: int) -> A
 
 def group_scores(q, keys):
     """float32 scores [R, K, G, 1, S] of queries q [R, K, G, H] against keys [R, K, S, H]: one
-    matrix-vector product per query head. XLA:CPU runs the one [S, H] x [H, G] product per
-    key head (G = 2 on the bench model) as a small matrix product that reads the keys at a
-    lower rate than G matrix-vector products read them: the kept conversation of `bench
-    multiturn` grew 8.6-11.2 ms a turn with it and 7.0-9.3 with these (in-process A/B, AVX-512
-    and capped to AVX2)."""
+    matrix-vector product per query head, which XLA:CPU runs faster than the one [S, H] x
+    [H, G] product per key head (G = 2 on the bench model): in-process A/Bs of `bench
+    multiturn`'s kept conversation (turns interleaved) took 2.2% less time over its ten turns,
+    2.4% capped to AVX2. How fast a turn's cost grows with the history moved within the A/Bs'
+    noise (1-2 ms a turn, either way)."""
     per_head = [jnp.einsum("BKSH,BKH->BKS", keys, q[:, :, g], preferred_element_type=jnp.float32)
                 for g in range(q.shape[2])]
     return jnp.stack(per_head, axis=2)[:, :, :, None]
