@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from muajax.bench import common
-from muajax.bench.model_floor import ModelShape, head_logits, layer, rope_at
+from muajax.bench.model_floor import (
+    ModelShape,
+    head_logits,
+    layer,
+    random_caches,
+    repeated,
+    rope_at,
+)
 
 
 def _attend_new(q, k_new, v_new, keys, values, s: ModelShape):
@@ -67,9 +73,8 @@ def xla_model_extend(weights: dict, shape: ModelShape, batch: int, history: int,
     put = jax.device_put
     w = {"layers": [{k: put(v) for k, v in layer_w.items()} for layer_w in weights["layers"]],
          "embed": put(weights["embed"])}
+    caches = random_caches(shape._replace(keys_by_position=False), len(w["layers"]), batch, history)
     rng = np.random.RandomState(0)
-    cache_shape = (batch, shape.kv_heads, history, shape.head_dim)
-    caches = [tuple(put(rng.randn(*cache_shape).astype(np.float32)) for _ in range(2)) for _ in w["layers"]]
 
     @jax.jit
     def program(w, caches, ids):
@@ -77,8 +82,4 @@ def xla_model_extend(weights: dict, shape: ModelShape, batch: int, history: int,
 
     ids = jnp.asarray(rng.randint(0, weights["embed"].shape[0], size=(batch, tokens)), jnp.int32)
 
-    def run():
-        return common.block(program(w, caches, ids))
-
-    run.program, run.args = program, (w, caches, ids)
-    return run
+    return repeated(program, (w, caches, ids))

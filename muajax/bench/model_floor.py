@@ -153,6 +153,31 @@ def _greedy(logits):
     return token, -jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
 
 
+def random_caches(shape: ModelShape, layers: int, batch: int, positions: int) -> list:
+    """Per layer, random (keys, values) on the device for `positions` cached positions:
+    [batch, K, positions, H], keys [batch, K, H, positions] with `shape.keys_by_position`."""
+    import jax
+
+    rng = np.random.RandomState(0)
+    values = (batch, shape.kv_heads, positions, shape.head_dim)
+    keys = (batch, shape.kv_heads, shape.head_dim, positions) if shape.keys_by_position else values
+    return [tuple(jax.device_put(rng.randn(*dims).astype(np.float32)) for dims in (keys, values))
+            for _ in range(layers)]
+
+
+def repeated(program, args: tuple, calls: int = 1):
+    """A callable running jitted `program` on `args` `calls` times (each call waited for),
+    with `.program` and `.args` kept for compiling it apart."""
+    def run():
+        out = None
+        for _ in range(calls):
+            out = common.block(program(*args))
+        return out
+
+    run.program, run.args = program, args
+    return run
+
+
 def xla_model_step(weights: dict, shape: ModelShape, batch: int, context: int, steps: int = 1, calls: int = 1):
     """A callable running `calls` programs of `steps` greedy decode steps of the whole model,
     each over `context` positions (the cache's `context - 1` and its own); divide by
@@ -163,11 +188,7 @@ def xla_model_step(weights: dict, shape: ModelShape, batch: int, context: int, s
     put = jax.device_put
     w = {"layers": [{k: put(v) for k, v in layer.items()} for layer in weights["layers"]],
          **{k: put(weights[k]) for k in ("embed", "norm", "head")}}
-    rng = np.random.RandomState(0)
-    cache_shape = (batch, shape.kv_heads, context - 1, shape.head_dim)
-    key_shape = (batch, shape.kv_heads, shape.head_dim, context - 1) if shape.keys_by_position else cache_shape
-    caches = [(put(rng.randn(*key_shape).astype(np.float32)), put(rng.randn(*cache_shape).astype(np.float32)))
-              for _ in w["layers"]]
+    caches = random_caches(shape, len(w["layers"]), batch, context - 1)
 
     @jax.jit
     def program(w, caches, tokens):
@@ -180,16 +201,7 @@ def xla_model_step(weights: dict, shape: ModelShape, batch: int, context: int, s
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), init)
         return jax.lax.fori_loop(0, steps, body, (tokens, jnp.zeros(tokens.shape, jnp.float32), zeros))
 
-    tokens = jnp.zeros((batch,), jnp.int32)
-
-    def run():
-        out = None
-        for _ in range(calls):
-            out = common.block(program(w, caches, tokens))
-        return out
-
-    run.program, run.args = program, (w, caches, tokens)
-    return run
+    return repeated(program, (w, caches, jnp.zeros((batch,), jnp.int32)), calls)
 
 
 def xla_stream_step(weights: dict, shape: ModelShape, batch: int, context: int, calls: int = 1):
@@ -203,16 +215,6 @@ def xla_stream_step(weights: dict, shape: ModelShape, batch: int, context: int, 
 
     arrays = [jax.device_put(a) for layer in weights["layers"] for a in layer.values()]
     arrays += [jax.device_put(weights[k]) for k in ("norm", "head")]
-    rng = np.random.RandomState(0)
-    cache_shape = (batch, shape.kv_heads, context, shape.head_dim)
-    arrays += [jax.device_put(rng.randn(*cache_shape).astype(np.float32)) for _ in range(2 * len(weights["layers"]))]
-    program = jax.jit(lambda arrays: sum(jnp.sum(a) for a in arrays))
-
-    def run():
-        out = None
-        for _ in range(calls):
-            out = common.block(program(arrays))
-        return out
-
-    run.program, run.args = program, (arrays,)
-    return run
+    arrays += [a for kv in random_caches(shape._replace(keys_by_position=False), len(weights["layers"]), batch, context)
+               for a in kv]
+    return repeated(jax.jit(lambda arrays: sum(jnp.sum(a) for a in arrays)), (arrays,), calls)
